@@ -87,10 +87,6 @@ def pack_message(message: dict) -> bytes:
     return b"".join([_HEADER_LENGTH.pack(len(header)), header, *(a.reshape(-1).view(np.uint8) for a in arrays)])
 
 
-def _reject_constant(name):
-    raise ProtocolError(f"the header holds {name}, which JSON does not allow")
-
-
 def unpack_message(frame: bytes) -> dict:
     """Decode one binary frame. Arrays are read-only views into the frame: copy one before you modify it."""
     if not isinstance(frame, (bytes, bytearray)):
@@ -102,7 +98,7 @@ def unpack_message(frame: bytes) -> dict:
     if start > len(frame):
         raise ProtocolError(f"header declares {header_length} bytes but the frame holds {len(frame) - 4}")
     try:
-        body = json.loads(frame[_HEADER_LENGTH.size:start], parse_constant=_reject_constant)
+        body = json.loads(frame[_HEADER_LENGTH.size:start])
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise ProtocolError(f"header is not valid JSON: {error}") from None
     if not (isinstance(body, dict) and isinstance(body.get("message"), dict) and isinstance(body.get("arrays"), list)):
@@ -571,9 +567,11 @@ class Server:
         self.inbox = []  # validated messages, in arrival order
         self.waiting = []  # infer requests held while should_learn() is true
         self.learning, self.stop_requested = False, False
+        self.tasks = set()  # background tasks (asyncio keeps only weak references to them)
         self.infer_calls, self.inferred_envs, self.frames, self.learns = 0, 0, 0, 0
         self.feedback_log, self.last_log = {}, {}
         self.started = time.perf_counter()
+        self.learn_threads = torch.get_num_threads()
 
     # --- the wire side: one task per connection --------------------------------------------
 
@@ -726,7 +724,7 @@ class Server:
         self.algo.pre_learn()
         self.learning = True
         try:
-            self.global_step, log = await asyncio.to_thread(self.algo.learn)
+            self.global_step, log = await asyncio.to_thread(self.learn_in_worker)
         finally:
             self.learning = False
         self.algo.post_learn()
@@ -740,6 +738,11 @@ class Server:
             self.last_log = log
         self.metrics.write(json.dumps({"step": self.global_step, "time": round(elapsed, 3),
                                        **{key: _plain(value) for key, value in log.items()}}) + "\n")
+
+    def learn_in_worker(self) -> tuple[int, dict]:
+        """learn() with all of torch's threads: its batches are large (torch's thread count is per OS thread)."""
+        torch.set_num_threads(self.learn_threads)
+        return self.algo.learn()
 
     async def infer_waiting(self) -> None:
         """One infer() for every waiting client: concatenate, infer, derive_train_state, split, send."""
@@ -778,8 +781,11 @@ class Server:
         limit = time.monotonic() - self.feedback_timeout
         for conn in list(self.connections):
             if conn.owed and not conn.closed and conn.owed_since < limit:
+                conn.closed = True  # once: the task below runs after this pass
                 error = ProtocolError(f"no feedback for {self.feedback_timeout:g} s", "send feedback after every action")
-                asyncio.create_task(self.reject(conn, error))
+                task = asyncio.create_task(self.reject(conn, error))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
 
     def show_progress(self, every: float = 1.0) -> None:
         """One progress line, refreshed in place on a terminal, plain periodic lines otherwise."""
@@ -808,6 +814,9 @@ class Server:
     async def run(self, host: str, port: int, on_listening=None) -> int:
         """Serve until should_stop() (exit status 0) or an algorithm error (status 1)."""
         self.wake = asyncio.Event()
+        # Inference batches are small: one torch thread answers fastest, and never waits on a
+        # second core that the env clients are using.
+        torch.set_num_threads(1)
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self.request_stop)
@@ -977,22 +986,22 @@ class GymEnv(VecEnv):
         self.low, self.high = space.low, space.high
         self.obs_dim, self.action_dim = int(np.prod(made[0].observation_space.shape)), int(np.prod(space.shape))
         self.max_steps = made[0].spec.max_episode_steps or 10**9
-        self.seed, self.last = seed, np.zeros((num_envs, self.obs_dim), np.float32)
+        self.last = np.zeros((num_envs, self.obs_dim), np.float32)
+        for i, env in enumerate(self.envs if seed is not None else []):
+            env.reset(seed=seed + i)  # seeds each environment's generator once; later resets continue it
         super().__init__(num_envs, seed)
 
     def _reset(self, rows):
         for i in rows:
-            seed = None if self.seed is None else self.seed + int(i) + 1000 * int(self.episode_length.sum())
-            self.last[i] = np.ravel(self.envs[i].reset(seed=seed)[0])
+            self.last[i] = np.ravel(self.envs[i].reset()[0])
 
     def _step(self, action, rows):
-        results = []
-        for i, a in zip(rows, action):
-            obs, reward, terminated, _, info = self.envs[i].step(self.low + (np.clip(a, -1, 1) + 1) / 2 * (self.high - self.low))
-            self.last[i] = np.ravel(obs)
-            results.append((reward, terminated, bool(info.get("is_success", False))))
-        reward, terminated, success = (np.array(column) for column in zip(*results)) if results else ([], [], [])
-        return reward, np.asarray(terminated, bool), np.asarray(success, bool)
+        reward, terminated, success = np.zeros(len(rows)), np.zeros(len(rows), bool), np.zeros(len(rows), bool)
+        for j, i in enumerate(rows):
+            scaled = self.low + (np.clip(action[j], -1, 1) + 1) / 2 * (self.high - self.low)
+            obs, reward[j], terminated[j], _, info = self.envs[i].step(scaled)
+            self.last[i], success[j] = np.ravel(obs), info.get("is_success", False)
+        return reward, terminated, success
 
     def _observe(self):
         return self.last.copy()
@@ -1026,25 +1035,19 @@ class Controller:
 
     def reset_state(self, state, indices):
         """The state with the rows of `indices` started over (their environments were reset)."""
-        fresh = slice_rows(self.initial_state(self.num_rows(state)), indices)
-        return _where_rows(np.isin(np.arange(self.num_rows(state)), indices), fresh, state, indices)
-
-    def num_rows(self, state) -> int:
-        """How many environments a state holds."""
-        return len(next(iter(_leaves(state)))) if isinstance(state, dict) else len(state)
+        n = len(next(_leaves(state))) if isinstance(state, dict) else len(state)
+        return _where_rows(np.isin(np.arange(n), indices), self.initial_state(n), state)
 
     def __call__(self, obs: dict, decision: np.ndarray, state):
         """The physical action [n, action_dim] and the new state."""
         raise NotImplementedError
 
 
-def _where_rows(mask, new, old, rows=None):
-    """old with the masked rows taken from new (new holds only those rows when `rows` is given)."""
+def _where_rows(mask, new, old):
+    """Rows of new where mask is true, rows of old elsewhere (arrays, or dicts of arrays)."""
     if isinstance(old, dict):
-        return {key: _where_rows(mask, new[key], value, rows) for key, value in old.items()}
-    merged = np.array(old, copy=True)
-    merged[mask] = new if rows is not None else new[mask]
-    return merged
+        return {key: _where_rows(mask, new[key], value) for key, value in old.items()}
+    return np.where(mask.reshape(-1, *[1] * (np.ndim(old) - 1)), new, old)
 
 
 class PassThroughController(Controller):
@@ -1447,6 +1450,8 @@ def server_main(argv: list[str]) -> int:
 
     try:
         return asyncio.run(server.run(args.host, args.port, start_local_clients))
+    except OSError as error:  # the port is taken, or the address is not this machine's
+        raise SystemExit(f"error: cannot listen on {args.host}:{args.port}: {error.strerror or error}") from None
     finally:
         for client in clients:
             try:
@@ -1481,6 +1486,8 @@ def env_client_main(argv: list[str]) -> int:
     except (ClientExit, ValueError) as error:
         print(f"env-client: {error}", file=sys.stderr)
         return getattr(error, "status", 2)
+    except KeyboardInterrupt:
+        return 130
 
 
 def main(argv: list[str] | None = None) -> None:
