@@ -71,7 +71,7 @@ def pack_message(message: dict) -> bytes:
         if isinstance(value, (list, tuple)):
             return [encode(item) for item in value]
         if isinstance(value, (np.ndarray, np.generic)):
-            array = np.ascontiguousarray(value)
+            array = np.asarray(value, order="C")  # C order; unlike ascontiguousarray, keeps 0-d arrays 0-d
             if array.dtype.str not in _ALLOWED_DTYPES:
                 raise ProtocolError(f"cannot send dtype {array.dtype}: only bool, int, uint and float arrays")
             arrays.append(array)
@@ -87,6 +87,10 @@ def pack_message(message: dict) -> bytes:
     return b"".join([_HEADER_LENGTH.pack(len(header)), header, *(a.reshape(-1).view(np.uint8) for a in arrays)])
 
 
+def _reject_constant(name):
+    raise ProtocolError(f"the header holds {name}, which JSON does not allow")
+
+
 def unpack_message(frame: bytes) -> dict:
     """Decode one binary frame. Arrays are read-only views into the frame: copy one before you modify it."""
     if not isinstance(frame, (bytes, bytearray)):
@@ -98,7 +102,7 @@ def unpack_message(frame: bytes) -> dict:
     if start > len(frame):
         raise ProtocolError(f"header declares {header_length} bytes but the frame holds {len(frame) - 4}")
     try:
-        body = json.loads(frame[_HEADER_LENGTH.size:start])
+        body = json.loads(frame[_HEADER_LENGTH.size:start], parse_constant=_reject_constant)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise ProtocolError(f"header is not valid JSON: {error}") from None
     if not (isinstance(body, dict) and isinstance(body.get("message"), dict) and isinstance(body.get("arrays"), list)):

@@ -44,7 +44,7 @@ class SACConfig(BaseAlgoConfig):
     q_lr: float = 1e-3  # for the critics and the entropy coefficient, as CleanRL
     policy_frequency: int = 2  # every policy_frequency-th update runs policy_frequency actor updates (delayed, as TD3)
     target_network_frequency: int = 1  # updates between target network moves
-    hidden_size: int = 256  # critic width (the actor's is --policy.hidden-size)
+    q_hidden_size: int = 256  # critic width; the actor's is --policy.hidden-size (one name per config)
     alpha: float = 0.2  # the entropy coefficient when autotune is false; its start value is 1 otherwise
     autotune: bool = True  # tune alpha so the policy's entropy tracks -action size
     save_every: int = 5_000  # updates between checkpoints
@@ -126,8 +126,8 @@ class SAC(BaseAlgorithm):
         example_action = self.example_train_state(1)["action"][0]  # [H, action_dim]: what one frame stores
         self.action_size = example_action.size  # the critic sees the whole action chunk, flattened
         self.buffer = ReplayBuffer(config.buffer_size, self.obs_shape, example_action.shape, example_action.dtype)
-        self.critic = TwinQ(math.prod(self.obs_shape) + self.action_size, config.hidden_size)
-        self.critic_target = TwinQ(math.prod(self.obs_shape) + self.action_size, config.hidden_size)
+        self.critic = TwinQ(math.prod(self.obs_shape) + self.action_size, config.q_hidden_size)
+        self.critic_target = TwinQ(math.prod(self.obs_shape) + self.action_size, config.q_hidden_size)
         self.critic_target.load_state_dict(self.critic.state_dict())
         self.critic_target.requires_grad_(False)  # moved only by the soft update, never by a gradient
         self.target_entropy = -float(self.action_size)  # CleanRL's -prod(action_shape)

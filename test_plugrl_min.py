@@ -1,0 +1,1146 @@
+# SPDX-License-Identifier: MIT
+"""Tests of plugrl_min that read as documentation of the PlugRL server contract.
+Wire format and registries as units; routing and the hooks over real WebSockets; the command line as subprocesses."""
+
+import asyncio
+import dataclasses
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import tokenize
+import types
+
+import numpy as np
+import pytest
+import torch
+import websockets
+from websockets.asyncio.client import connect
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import plugrl_min  # noqa: E402
+from plugrl_min import ProtocolError, pack_message, unpack_message  # noqa: E402
+
+SOURCE = os.path.join(HERE, "plugrl_min.py")
+
+
+# =============================================================================================
+# Helpers: subprocesses of the command line
+# =============================================================================================
+
+def subprocess_env(pythonpath=None) -> dict:
+    """The environment of a child process: unbuffered, no token, plug-ins found through PYTHONPATH."""
+    env = {key: value for key, value in os.environ.items() if key != "PLUGRL_TOKEN"}
+    env["PYTHONUNBUFFERED"] = "1"
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), os.environ.get("PYTHONPATH")]))
+    return env
+
+
+def python(*args, pythonpath=None, timeout=60) -> subprocess.CompletedProcess:
+    """Run `python ARGS` in the project directory and wait for it."""
+    return subprocess.run([sys.executable, *args], cwd=HERE, env=subprocess_env(pythonpath), capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+class Background:
+    """A `python ARGS` child running beside the test; its output goes to files the test can poll."""
+
+    def __init__(self, tmp_path, name, args, pythonpath=None):
+        self.out_path, self.err_path = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, *args], cwd=HERE, env=subprocess_env(pythonpath),
+                                         stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+
+    def stdout(self) -> str:
+        return self.out_path.read_text()
+
+    def stderr(self) -> str:
+        return self.err_path.read_text()
+
+    def port(self, timeout=30.0) -> int:
+        """The port of the server's `listening on ws://127.0.0.1:PORT` line."""
+        deadline = time.monotonic() + timeout
+        while True:
+            match = re.search(r"listening on ws://127\.0\.0\.1:(\d+)", self.stdout())
+            if match:
+                return int(match.group(1))
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"server not listening (status {self.proc.poll()}):\n"
+                                     f"{self.stdout()}\n{self.stderr()}")
+            time.sleep(0.05)
+
+    def wait(self, timeout=60.0) -> int:
+        return self.proc.wait(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+def write_plugin(tmp_path, module: str, source: str) -> None:
+    """A plug-in module in tmp_path (the children get tmp_path on PYTHONPATH)."""
+    (tmp_path / f"{module}.py").write_text(source)
+
+
+def read_metrics(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as file:
+        return [json.loads(line) for line in file]
+
+
+# =============================================================================================
+# Helpers: an in-process server, hand-driven WebSocket clients, an instrumented algorithm
+# =============================================================================================
+
+def small_policy():
+    return plugrl_min.make_policy("dummy-policy", plugrl_min.DummyPolicyConfig(hidden_size=8))
+
+
+def obs_of(tags) -> dict:
+    """Observations [n, 3] whose first column tags each environment, so the algorithm can tell them apart."""
+    return {"state": np.array([[tag, 0.0, 0.0] for tag in tags], np.float32)}
+
+
+class Client:
+    """A hand-driven env client over a real WebSocket: explicit infer and feedback messages."""
+
+    def __init__(self, ws, metadata):
+        self.ws, self.metadata = ws, metadata
+
+    @classmethod
+    async def connect(cls, port):
+        ws = await connect(f"ws://127.0.0.1:{port}", compression=None, proxy=None, open_timeout=10)
+        return cls(ws, unpack_message(await asyncio.wait_for(ws.recv(), 10)))  # the server speaks first
+
+    async def receive(self) -> dict:
+        return unpack_message(await asyncio.wait_for(self.ws.recv(), 10))
+
+    async def infer(self, env_ids, tags) -> dict:
+        await self.ws.send(pack_message({"message_type": "infer", "env_indices": np.array(env_ids, np.int64),
+                                         "obs": obs_of(tags)}))
+        return await self.receive()
+
+    async def feedback(self, env_ids, tags, *, reward=None, terminated=None, truncated=None, episode=None):
+        m = len(env_ids)
+        terminated = np.zeros(m, bool) if terminated is None else np.array(terminated, bool)
+        truncated = np.zeros(m, bool) if truncated is None else np.array(truncated, bool)
+        if episode is None:  # the page's info["episode"]: r, l, s, and mask on finished episodes
+            episode = {"r": np.zeros(m, np.float32), "l": np.zeros(m, np.int64), "s": np.zeros(m, bool)}
+        episode = {key: np.array(value) for key, value in episode.items()}
+        episode["mask"] = terminated | truncated
+        await self.ws.send(pack_message({
+            "message_type": "feedback", "env_indices": np.array(env_ids, np.int64), "obs": obs_of(tags),
+            "reward": np.zeros(m, np.float32) if reward is None else np.array(reward, np.float32),
+            "terminated": terminated, "truncated": truncated, "info": {"episode": episode}}))
+
+    async def step(self, env_ids, tags, **feedback) -> dict:
+        """One decision: infer, then feed back; returns the action message."""
+        reply = await self.infer(env_ids, tags)
+        assert reply["message_type"] == "action", reply
+        await self.feedback(env_ids, tags, **feedback)
+        return reply
+
+    async def closed(self) -> tuple[int, str]:
+        """Wait until the server closes this connection; its close code and reason."""
+        await asyncio.wait_for(self.ws.wait_closed(), 10)
+        return self.ws.close_code, self.ws.close_reason
+
+    async def close(self):
+        await self.ws.close()
+
+
+async def run_rounds(port, tags, rounds, think=None, **feedback) -> int:
+    """A client whose environments (tagged `tags`) make `rounds` decisions, then leave; returns frames sent.
+
+    think(): seconds to spend between an action and its feedback (clients that step at different paces
+    send their feedback in different passes of the server loop, across learns).
+    """
+    client = await Client.connect(port)
+    env_ids = list(range(len(tags)))
+    for _ in range(rounds):
+        await client.infer(env_ids, tags)
+        if think is not None:
+            await asyncio.sleep(think())
+        await client.feedback(env_ids, tags, **feedback)
+    await client.close()
+    return rounds * len(tags)
+
+
+async def eventually(condition, timeout=10.0) -> None:
+    """Wait until condition() holds (frames sent are routed on the server's next pass)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
+
+
+def run_server(algo, run_dir, script, timeout=30.0):
+    """Serve algo in-process on a free port while `await script(port, server)` drives clients.
+
+    Then request a stop (if the run has not ended by itself); returns (run()'s status, the script's result).
+    """
+    async def main():
+        server = plugrl_min.Server(algo, str(run_dir), ("dummy-policy", "probe"))
+        ports = asyncio.Queue()
+        task = asyncio.create_task(server.run("127.0.0.1", 0, on_listening=ports.put_nowait))
+        port = await asyncio.wait_for(ports.get(), 10)
+        try:
+            result = await asyncio.wait_for(script(port, server), timeout)
+        finally:
+            server.request_stop()
+            status = await asyncio.wait_for(task, 10)
+        return status, result
+
+    return asyncio.run(main())
+
+
+class Probe(plugrl_min.BaseAlgorithm):
+    """An instrumented algorithm: records the hooks the server calls. Tests subclass it to change one thing.
+
+    infer echoes each environment's tag as its action and puts the tag and the learn count (the policy
+    version it acted with) into the runtime state; feedback stores nothing but the call's arguments.
+    """
+
+    on_policy = False
+    learn_every = None  # stored frames between learns (None: never learns)
+    learn_seconds = 0.0
+    record_episodes = True  # feedback calls record_episode_metrics, as the page's template does
+
+    def __init__(self):
+        super().__init__(config=plugrl_min.BaseAlgoConfig(global_steps=None), policy=small_policy())
+        self.events = []  # ("infer", tags), ("feedback", tag), ("learn",) in call order
+        self.frames = []  # the keyword arguments of every feedback call
+        self.discarded, self.stale, self.learns, self.stored_since_learn = 0, 0, 0, 0
+        self.episodes_recorded, self.checkpoints, self.learn_threads = 0, 0, []
+
+    def infer(self, obs):
+        tags = obs["state"][:, 0].copy()
+        self.events.append(("infer", sorted(tags.tolist())))
+        return tags.reshape(-1, 1, 1), {"tag": tags, "learns": np.full(len(tags), self.learns)}
+
+    def feedback(self, *, obs, runtime_state, train_state=None, terminated, truncated, next_obs, reward, info,
+                 next_terminated, next_truncated, prev_node):
+        frame = dict(obs=obs, runtime_state=runtime_state, train_state=train_state, terminated=terminated,
+                     truncated=truncated, next_obs=next_obs, reward=reward, info=info,
+                     next_terminated=next_terminated, next_truncated=next_truncated, prev_node=prev_node)
+        self.frames.append(frame)
+        self.events.append(("feedback", float(runtime_state["tag"])))
+        self.stale += int(runtime_state["learns"]) != self.learns  # acted with an older policy
+        if self.record_episodes and (next_terminated or next_truncated) and "episode" in info:
+            if bool(info["episode"].get("mask", True)):
+                self.record_episode_metrics(info["episode"])
+        self.global_step += 1
+        self.stored_since_learn += 1
+        return self.next_node(frame), self.global_step, {}
+
+    def next_node(self, frame):
+        return frame["prev_node"]
+
+    def discard_feedback(self, *, info, next_terminated, next_truncated):
+        self.discarded += 1
+        super().discard_feedback(info=info, next_terminated=next_terminated, next_truncated=next_truncated)
+
+    def record_episode_metrics(self, episode):
+        self.episodes_recorded += 1
+        super().record_episode_metrics(episode)
+
+    def learn_impl(self):
+        self.learn_threads.append(threading.current_thread())
+        time.sleep(self.learn_seconds)
+        self.events.append(("learn",))
+        self.learns += 1
+        self.stored_since_learn = 0
+        return self.global_step, {}
+
+    def should_learn(self):
+        return self.learn_every is not None and self.stored_since_learn >= self.learn_every
+
+    def create_checkpoint(self):
+        self.checkpoints += 1
+        return super().create_checkpoint()
+
+
+# =============================================================================================
+# 1. Wire format: one binary frame, a JSON header then raw array bytes; no pickle, ever
+# =============================================================================================
+
+ALLOWED_DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                  "float16", "float32", "float64"]
+
+
+def raw_frame(arrays, payload: bytes, message=None) -> bytes:
+    """A frame built by hand: header length, JSON header declaring `arrays` ([dtype, shape] pairs), payload."""
+    message = {"x": {"__array__": 0}} if message is None else message
+    header = json.dumps({"message": message, "arrays": arrays}).encode()
+    return len(header).to_bytes(4, "little") + header + payload
+
+
+def random_array(dtype, shape):
+    rng = np.random.default_rng(0)
+    values = rng.uniform(-100, 100, shape) if dtype.startswith("float") else rng.integers(0, 100, shape)
+    return np.asarray(values).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ALLOWED_DTYPES)
+def test_every_allowed_dtype_round_trips_in_every_shape(dtype):
+    for shape in [(0,), (5,), (2, 3), (2, 0, 4), (1, 1, 1, 2)]:
+        array = random_array(dtype, shape)
+        decoded = unpack_message(pack_message({"a": array}))["a"]
+        assert decoded.dtype == np.dtype(dtype) and decoded.shape == shape
+        np.testing.assert_array_equal(decoded, array)
+
+
+def test_0d_arrays_and_numpy_scalars_round_trip_as_0d():
+    for dtype in ALLOWED_DTYPES:
+        for value in (random_array(dtype, ()), random_array(dtype, ())[()]):  # a 0-d array, a numpy scalar
+            decoded = unpack_message(pack_message({"a": value}))["a"]
+            assert (decoded.dtype, decoded.shape) == (np.dtype(dtype), ()), f"{dtype} {type(value).__name__}"
+            assert decoded == value
+
+
+def test_nested_dicts_lists_and_json_values_round_trip():
+    inner = np.arange(6, dtype=np.float32).reshape(2, 3)
+    message = {"a": {"b": [inner, {"c": np.int64(7)}], "text": "hi", "n": 3, "x": 2.5, "none": None, "yes": True},
+               "list": [1, [np.zeros((0, 3), np.uint8), "s"]], "transposed": inner.T}
+    decoded = unpack_message(pack_message(message))
+    np.testing.assert_array_equal(decoded["a"]["b"][0], inner)
+    assert decoded["a"]["b"][1]["c"] == 7
+    assert {k: decoded["a"][k] for k in ("text", "n", "x", "none", "yes")} == {
+        "text": "hi", "n": 3, "x": 2.5, "none": None, "yes": True}
+    assert decoded["list"][0] == 1 and decoded["list"][1][0].shape == (0, 3) and decoded["list"][1][1] == "s"
+    np.testing.assert_array_equal(decoded["transposed"], inner.T)  # a non-contiguous array keeps its values
+
+
+def test_decoded_arrays_are_read_only_views():
+    decoded = unpack_message(pack_message({"a": np.zeros(3, np.float32)}))["a"]
+    with pytest.raises(ValueError):
+        decoded[0] = 1.0
+
+
+def test_every_truncation_of_a_frame_is_rejected():
+    frame = pack_message({"message_type": "infer", "a": np.arange(3, dtype=np.int32), "b": np.ones((2, 2))})
+    for cut in range(len(frame)):
+        with pytest.raises(ProtocolError):
+            unpack_message(frame[:cut])
+
+
+@pytest.mark.parametrize("dtype, nbytes", [("|O", 8), ("<c8", 8), ("<U3", 12), ("|V4", 4), ("<M8[s]", 8)])
+def test_a_header_with_a_disallowed_dtype_is_rejected(dtype, nbytes):
+    with pytest.raises(ProtocolError, match="allowed dtype"):
+        unpack_message(raw_frame([[dtype, [1]]], bytes(nbytes)))
+
+
+@pytest.mark.parametrize("shape, nbytes", [([3], 11), ([2, 2], 12)], ids=["one byte short", "shape wants more"])
+def test_an_array_with_fewer_bytes_than_its_shape_is_rejected(shape, nbytes):
+    with pytest.raises(ProtocolError, match="declares"):
+        unpack_message(raw_frame([["<i4", shape]], bytes(nbytes)))
+
+
+@pytest.mark.parametrize("shape, nbytes", [([3], 13), ([1, 2], 12)], ids=["one byte over", "shape wants fewer"])
+def test_bytes_left_over_after_the_declared_arrays_are_rejected(shape, nbytes):
+    with pytest.raises(ProtocolError, match="left over"):
+        unpack_message(raw_frame([["<i4", shape]], bytes(nbytes)))
+
+
+def test_a_text_frame_is_rejected():
+    with pytest.raises(ProtocolError, match="text frame"):
+        unpack_message('{"message_type": "infer"}')
+
+
+@pytest.mark.parametrize("header", [b"{nope", b"\xff\xfe", b'{"message": {}, "arrays": []'])
+def test_a_header_that_is_not_json_is_rejected(header):
+    with pytest.raises(ProtocolError, match="JSON"):
+        unpack_message(len(header).to_bytes(4, "little") + header)
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_a_header_holding_nan_or_infinity_is_rejected(constant):
+    # JSON has no such constants (pack_message refuses to write them); Python's json reads them by default.
+    header = f'{{"message": {{"x": {constant}}}, "arrays": []}}'.encode()
+    with pytest.raises(ProtocolError):
+        unpack_message(len(header).to_bytes(4, "little") + header)
+
+
+@pytest.mark.parametrize("arrays, message", [
+    ([["<i4", [-1]]], None),  # negative dimension
+    ([["<i4", [1.5]]], None),  # non-integer dimension
+    ([["<i4"]], None),  # no shape
+    ([], None),  # a reference to an array that is not declared
+    ([["<i4", [1]]], {"x": {"__array__": 0, "extra": 1}}),  # a reference with other keys
+], ids=["negative dimension", "float dimension", "no shape", "dangling reference", "reference with extra keys"])
+def test_a_header_that_misdescribes_its_arrays_is_rejected(arrays, message):
+    with pytest.raises(ProtocolError):
+        unpack_message(raw_frame(arrays, bytes(4 * len(arrays)), message))
+
+
+@pytest.mark.parametrize("array", [np.array([1, "a"], object), np.array([1 + 2j]), np.array(["abc"])],
+                         ids=["object", "complex", "unicode"])
+def test_pack_message_refuses_arrays_that_are_not_bool_int_uint_or_float(array):
+    with pytest.raises(ProtocolError, match="dtype"):
+        pack_message({"a": array})
+
+
+def test_no_pickle_anywhere_in_the_code():
+    with open(SOURCE, "rb") as file:  # names in the code itself, not in comments or strings
+        names = {token.string for token in tokenize.tokenize(file.readline) if token.type == tokenize.NAME}
+    assert not [name for name in names if "pickle" in name.lower()]
+
+
+# =============================================================================================
+# 2. Registries: (uid, variant) -> default config instance; uid -> class
+# =============================================================================================
+
+@dataclasses.dataclass
+class ShortConfig(plugrl_min.BaseAlgoConfig):
+    global_steps: int | None = 5
+
+
+class Minimal(plugrl_min.BaseAlgorithm):
+    def learn_impl(self):
+        return self.global_step, {}
+
+
+@pytest.mark.parametrize("decorator, base", [("register_algo_config", ShortConfig),
+                                             ("register_policy_config", ShortConfig),
+                                             ("register_algo", Minimal),
+                                             ("register_policy", plugrl_min.BaseTorchPolicy)])
+def test_registering_the_same_uid_and_variant_twice_raises(decorator, base):
+    register = getattr(plugrl_min, decorator)  # config decorators take (uid, variant="default"), classes (uid)
+    register(f"twice-{decorator}")(type("First", (base,), {}))
+    with pytest.raises(ValueError, match="already registered"):
+        register(f"twice-{decorator}")(type("Second", (base,), {}))
+
+
+def test_a_config_variant_defaults_to_default():
+    plugrl_min.register_algo_config("variants")(dataclasses.dataclass(type("Plain", (ShortConfig,), {})))
+    plugrl_min.register_algo_config("variants", "long")(
+        dataclasses.make_dataclass("Long", [("global_steps", int, 500)], bases=(ShortConfig,)))
+    plugrl_min.register_algo("variants")(Minimal)
+    policy = small_policy()
+    assert plugrl_min.make_algo("variants", policy).config.global_steps == 5
+    assert plugrl_min.make_algo("variants", policy, variant="default").config.global_steps == 5
+    assert plugrl_min.make_algo("variants", policy, variant="long").config.global_steps == 500
+
+
+def test_make_algo_of_a_registered_config_without_its_class_raises_keyerror():
+    plugrl_min.register_algo_config("config-only-in-process")(ShortConfig)
+    with pytest.raises(KeyError) as error:
+        plugrl_min.make_algo("config-only-in-process", small_policy())
+    assert error.value.args == ("Algorithm config-only-in-process is not registered.",)
+
+
+def test_make_algo_gives_each_algorithm_its_own_copy_of_the_default_config():
+    plugrl_min.register_algo_config("copies")(ShortConfig)
+    plugrl_min.register_algo("copies")(type("Copies", (Minimal,), {}))
+    first = plugrl_min.make_algo("copies", small_policy())
+    first.config.global_steps = 99
+    assert plugrl_min.make_algo("copies", small_policy()).config.global_steps == 5
+
+
+# =============================================================================================
+# 3. The page's troubleshooting, one symptom each
+# =============================================================================================
+
+LISTED_PLUGIN = '''
+import dataclasses
+from plugrl_min import BaseAlgoConfig, BaseAlgorithm, register_algo, register_algo_config
+
+@register_algo_config("plugin-listed")
+@dataclasses.dataclass
+class ListedConfig(BaseAlgoConfig):
+    listed_flag: int = 7
+
+@register_algo("plugin-listed")
+class Listed(BaseAlgorithm):
+    def learn_impl(self):
+        return self.global_step, {}
+'''
+
+CONFIG_ONLY_PLUGIN = '''
+import dataclasses
+from plugrl_min import BaseAlgoConfig, register_algo_config
+
+@register_algo_config("config-only")
+@dataclasses.dataclass
+class ConfigOnly(BaseAlgoConfig):
+    global_steps: int | None = 10
+'''
+
+
+def test_a_uid_whose_module_is_not_imported_is_missing_from_help(tmp_path):
+    write_plugin(tmp_path, "listed_plugin", LISTED_PLUGIN)  # importable, but nothing imports it
+    result = python("plugrl_min.py", "dummy-policy", "default", "--help", pythonpath=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "dummy" in result.stdout and "plugin-listed" not in result.stdout
+
+
+def test_plugin_puts_its_uid_in_help(tmp_path):
+    write_plugin(tmp_path, "listed_plugin", LISTED_PLUGIN)
+    result = python("plugrl_min.py", "--plugin", "listed_plugin", "dummy-policy", "default", "--help",
+                    pythonpath=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"algorithms:.*\bplugin-listed \(default\)", result.stdout), result.stdout
+
+
+def test_only_the_config_registered_prints_the_config_then_keyerror(tmp_path):
+    write_plugin(tmp_path, "config_only_plugin", CONFIG_ONLY_PLUGIN)
+    result = python("plugrl_min.py", "dummy-policy", "default", "config-only", "default", "--port", "0",
+                    "--run-dir", str(tmp_path / "run"), "--plugin", "config_only_plugin", pythonpath=tmp_path)
+    assert result.returncode != 0
+    printed, _ = json.JSONDecoder().raw_decode(result.stdout)  # the resolved config comes first
+    assert printed["algorithm"] == "config-only" and printed["algo_config"]["global_steps"] == 10
+    assert "KeyError: 'Algorithm config-only is not registered.'" in result.stdout + result.stderr
+    assert "listening on" not in result.stdout
+
+
+def test_overriding_learn_instead_of_learn_impl_makes_make_algo_raise_typeerror():
+    plugrl_min.register_algo_config("overrides-learn")(ShortConfig)
+
+    @plugrl_min.register_algo("overrides-learn")
+    class OverridesLearn(plugrl_min.BaseAlgorithm):
+        def learn(self):
+            return self.global_step, {}
+
+    with pytest.raises(TypeError, match="learn_impl"):
+        plugrl_min.make_algo("overrides-learn", small_policy())
+
+
+class MisnamedKeyword(Probe):
+    def feedback(self, *, obs, runtime_state, train_state=None, terminated, truncated, next_obs,
+                 rewards, info, next_terminated, next_truncated, prev_node):  # "rewards", not "reward"
+        raise AssertionError("never called: the server passes reward=")
+
+
+async def one_frame_then_closed(port, server):
+    client = await Client.connect(port)
+    await client.step([0], [1])
+    return await client.closed()
+
+
+def test_a_misnamed_feedback_keyword_fails_the_run_on_its_first_frame(tmp_path):
+    status, (code, reason) = run_server(MisnamedKeyword(), tmp_path, one_frame_then_closed)
+    assert status == 1
+    assert code == 1011 and reason.startswith("server failed: TypeError")
+
+
+def test_a_misnamed_feedback_keyword_prints_the_typeerror_in_the_server_log(tmp_path, capsys):
+    run_server(MisnamedKeyword(), tmp_path, one_frame_then_closed)
+    log = capsys.readouterr().err
+    assert re.search(r"TypeError: .*feedback\(\) got an unexpected keyword argument 'reward'", log), log
+
+
+def episode_frames(n):
+    """Feedback fields for n one-environment frames that each finish an episode: r = i, l = 10 + i, s = i odd."""
+    return [dict(terminated=[True], episode={"r": [float(i)], "l": [10 + i], "s": [i % 2 == 1]}) for i in range(n)]
+
+
+class LearnsEveryFour(Probe):
+    learn_every = 4
+
+
+class ForgetsEpisodes(LearnsEveryFour):
+    record_episodes = False  # feedback never calls record_episode_metrics
+
+
+def run_episodes_and_read_metrics(algo, run_dir, frames=8):
+    async def script(port, server):
+        client = await Client.connect(port)
+        for fields in episode_frames(frames):
+            await client.step([0], [1], **fields)
+        await eventually(lambda: algo.learns == frames // 4)
+
+    run_server(algo, run_dir, script)
+    return read_metrics(run_dir)
+
+
+def test_metrics_jsonl_holds_one_object_per_learn_with_rollout_means(tmp_path):
+    metrics = run_episodes_and_read_metrics(LearnsEveryFour(), tmp_path)
+    assert [line["step"] for line in metrics] == [4, 8]
+    assert [line["rollout/reward"] for line in metrics] == [1.5, 5.5]  # means of r = 0..3 and 4..7
+    assert [line["rollout/length"] for line in metrics] == [11.5, 15.5]
+    assert [line["rollout/success"] for line in metrics] == [0.5, 0.5]
+    assert [line["rollout/episodes"] for line in metrics] == [4, 4]
+
+
+def test_rollout_metrics_stay_zero_without_record_episode_metrics(tmp_path):
+    metrics = run_episodes_and_read_metrics(ForgetsEpisodes(), tmp_path)
+    assert len(metrics) == 2
+    for line in metrics:
+        assert (line["rollout/reward"], line["rollout/length"], line["rollout/success"]) == (0, 0, 0)
+        assert line["rollout/episodes"] == 0
+
+
+class OnPolicyLearnsEveryThree(Probe):
+    """Two environments per message, a learn every 3 stored frames: every second message, the second
+    environment's frame arrives while should_learn() is true and is discarded."""
+
+    on_policy = True
+    learn_every = 3
+
+
+class DiscardsWithoutSuper(OnPolicyLearnsEveryThree):
+    def discard_feedback(self, *, info, next_terminated, next_truncated):
+        self.discarded += 1  # no super().discard_feedback(...): the frame's episode is never recorded
+
+
+def run_discarding(algo, run_dir, messages=8):
+    async def script(port, server):
+        await run_rounds(port, [1, 2], messages, terminated=[True, True],
+                         episode={"r": [1.0, 1.0], "l": [5, 5], "s": [False, False]})
+        await eventually(lambda: len(algo.frames) + algo.discarded == 2 * messages)
+
+    run_server(algo, run_dir, script)
+    return read_metrics(run_dir)
+
+
+def test_discarded_frames_still_record_their_finished_episodes(tmp_path):
+    algo = OnPolicyLearnsEveryThree()
+    metrics = run_discarding(algo, tmp_path)
+    assert algo.discarded == 4 and len(algo.frames) == 12
+    assert algo.episodes_recorded == 16
+    assert [line["rollout/episodes"] for line in metrics] == [4, 4, 4, 4]
+
+
+def test_a_discard_feedback_override_without_super_loses_those_episodes(tmp_path):
+    algo = DiscardsWithoutSuper()
+    metrics = run_discarding(algo, tmp_path)
+    assert algo.discarded == 4
+    assert algo.episodes_recorded == 12  # only the stored frames' episodes
+    assert [line["rollout/episodes"] for line in metrics] == [3, 3, 3, 3]
+
+
+def test_should_learn_still_true_after_learn_learns_again_without_inferring(tmp_path):
+    class LearnsThreeTimes(Probe):
+        learns_left = 0
+
+        def feedback(self, **frame):
+            self.learns_left = 3  # should_learn() stays true for three learns
+            return super().feedback(**frame)
+
+        def learn_impl(self):
+            self.learns_left -= 1
+            return super().learn_impl()
+
+        def should_learn(self):
+            return self.learns_left > 0
+
+    algo = LearnsThreeTimes()
+
+    async def script(port, server):
+        client = await Client.connect(port)
+        await client.step([0], [1])
+        await client.infer([0], [1])  # answered only once should_learn() turns false
+
+    run_server(algo, tmp_path, script)
+    assert algo.events == [("infer", [1]), ("feedback", 1), ("learn",), ("learn",), ("learn",), ("infer", [1])]
+
+
+class CountsPasses(Probe):
+    """should_stop() is asked once on every pass of the server loop: count the passes."""
+
+    passes = 0
+
+    def should_stop(self):
+        self.passes += 1
+        return False
+
+
+def test_should_save_that_stays_true_writes_a_checkpoint_on_every_pass(tmp_path):
+    class AlwaysSaves(CountsPasses):
+        def should_save(self):
+            return True
+
+    algo = AlwaysSaves()
+
+    async def script(port, server):
+        await run_rounds(port, [1], 3)
+        await asyncio.sleep(1.2)  # idle: the server still passes twice a second
+
+    run_server(algo, tmp_path, script)
+    assert algo.learns == 0
+    assert algo.checkpoints >= algo.passes >= 3 + 2  # 3 feedback messages, 2 idle ticks at least
+    assert os.listdir(tmp_path / "checkpoints")
+
+
+def test_should_save_that_turns_false_after_create_checkpoint_writes_once(tmp_path):
+    class SavesOnce(CountsPasses):
+        def should_save(self):
+            return self.global_step >= 2 and self.checkpoints == 0  # create_checkpoint moves the counter
+
+    algo = SavesOnce()
+
+    async def script(port, server):
+        await run_rounds(port, [1], 3)
+        await asyncio.sleep(1.2)
+
+    run_server(algo, tmp_path, script)
+    assert algo.passes >= 5
+    assert algo.checkpoints == 2  # the one that was due, and the final one when the run stops
+
+
+# =============================================================================================
+# 4. Routing: which frames go to feedback, with what; how infer is batched
+# =============================================================================================
+
+def run_three_clients(algo, run_dir, rounds=30):
+    """Three clients (2, 3 and 4 environments) at uneven paces, `rounds` decisions each; returns the frames sent.
+
+    With the same traffic, the off-policy test below sees frames whose action came from an older policy.
+    """
+    rng = np.random.default_rng(0)
+
+    async def script(port, server):
+        sent = sum(await asyncio.gather(*(run_rounds(port, tags, rounds, think=lambda: rng.uniform(0, 0.01))
+                                          for tags in ([1, 2], [11, 12, 13], [21, 22, 23, 24]))))
+        await eventually(lambda: len(algo.frames) + algo.discarded == sent)
+        return sent
+
+    return run_server(algo, run_dir, script)[1]
+
+
+def test_on_policy_algorithm_is_never_fed_a_frame_from_an_older_policy(tmp_path):
+    class OnPolicy(Probe):
+        on_policy = True
+        learn_every = 5
+
+    algo = OnPolicy()
+    sent = run_three_clients(algo, tmp_path)
+    assert algo.learns >= 5 and algo.frames
+    assert algo.stale == 0  # every stored frame's action came from the current policy version
+    assert algo.discarded > 0 and len(algo.frames) + algo.discarded == sent
+
+
+def test_off_policy_algorithm_is_fed_every_frame(tmp_path):
+    class OffPolicy(Probe):
+        on_policy = False
+        learn_every = 5
+
+    algo = OffPolicy()
+    sent = run_three_clients(algo, tmp_path)
+    assert algo.learns >= 5
+    assert len(algo.frames) == sent and algo.discarded == 0
+    assert algo.stale > 0  # including frames whose action came from an older policy version
+
+
+def test_feedback_terminated_is_the_previous_frames_flag_and_next_terminated_this_ones(tmp_path):
+    flags = [(False, False), (True, False), (False, False), (False, True), (True, False), (False, False)]
+    algo = Probe()
+
+    async def script(port, server):
+        client = await Client.connect(port)
+        for terminated, truncated in flags:
+            await client.step([0], [1], terminated=[terminated], truncated=[truncated])
+        await eventually(lambda: len(algo.frames) == len(flags))
+
+    run_server(algo, tmp_path, script)
+    got = [(f["terminated"], f["truncated"], f["next_terminated"], f["next_truncated"]) for f in algo.frames]
+    previous = [(False, False)] + flags[:-1]
+    assert got == [(*before, *now) for before, now in zip(previous, flags)]
+
+
+def test_feedback_gets_the_obs_it_acted_on_next_obs_and_reward(tmp_path):
+    algo = Probe()
+
+    async def script(port, server):
+        client = await Client.connect(port)
+        await client.infer([0], [1])
+        await client.feedback([0], [2], reward=[0.25])
+        await eventually(lambda: len(algo.frames) == 1)
+
+    run_server(algo, tmp_path, script)
+    (frame,) = algo.frames
+    assert frame["obs"]["state"][0] == 1 and frame["next_obs"]["state"][0] == 2 and frame["reward"] == 0.25
+
+
+def test_prev_node_comes_back_to_the_same_environment(tmp_path):
+    class ReturnsNodes(Probe):
+        def next_node(self, frame):  # an environment-specific counter
+            tag = int(frame["runtime_state"]["tag"])
+            return (1000 * tag + sum(int(f["runtime_state"]["tag"]) == tag for f in self.frames), "x")
+
+    algo = ReturnsNodes()
+
+    async def script(port, server):  # two clients with the same env indices 0 and 1, four environments
+        await asyncio.gather(run_rounds(port, [1, 2], 4), run_rounds(port, [3, 4], 4))
+        await eventually(lambda: len(algo.frames) == 16)
+
+    run_server(algo, tmp_path, script)
+    for tag in (1, 2, 3, 4):
+        nodes = [f["prev_node"] for f in algo.frames if int(f["runtime_state"]["tag"]) == tag]
+        assert nodes == [(-1, "")] + [(1000 * tag + k, "x") for k in (1, 2, 3)]
+
+
+class SlowLearner(Probe):
+    """Learns for half a second once every environment of the three clients (1 + 2 + 3) has fed back."""
+
+    learn_every = 6
+    learn_seconds = 0.5
+
+
+def run_queued_clients(run_dir):
+    """Three clients feed back, then ask for actions while the server learns; returns (algo, tag sets, replies)."""
+    algo = SlowLearner()
+    tag_sets = ([1], [2, 3], [4, 5, 6])
+    fed_back = asyncio.Barrier(len(tag_sets))
+
+    async def one_client(port, tags):
+        client = await Client.connect(port)
+        env_ids = list(range(len(tags)))
+        await client.step(env_ids, tags)
+        await fed_back.wait()
+        await asyncio.sleep(0.1)  # the learn has started: the next infers queue up
+        reply = await client.infer(env_ids, tags)
+        await client.close()
+        return reply
+
+    async def script(port, server):
+        return await asyncio.gather(*(one_client(port, tags) for tags in tag_sets))
+
+    return algo, tag_sets, run_server(algo, run_dir, script)[1]
+
+
+def test_clients_waiting_during_learn_are_served_by_one_infer_call(tmp_path):
+    algo, _, _ = run_queued_clients(tmp_path)
+    learned = algo.events.index(("learn",))
+    assert algo.events[learned + 1] == ("infer", [1, 2, 3, 4, 5, 6])
+
+
+def test_a_batched_infers_actions_are_split_back_to_their_clients(tmp_path):
+    algo, tag_sets, replies = run_queued_clients(tmp_path)
+    for tags, reply in zip(tag_sets, replies):
+        assert reply["message_type"] == "action"
+        assert reply["env_indices"].tolist() == list(range(len(tags)))
+        assert reply["action"].shape == (len(tags), 1, 1) and reply["action"][:, 0, 0].tolist() == tags
+
+
+def test_learn_runs_in_a_worker_thread_while_the_server_keeps_answering(tmp_path):
+    class LearnsForASecond(Probe):
+        learn_every = 1
+        learn_seconds = 1.0
+
+    algo = LearnsForASecond()
+
+    async def script(port, server):
+        first = await Client.connect(port)
+        await first.step([0], [1])  # starts a one-second learn
+        await asyncio.sleep(0.2)
+        started = time.monotonic()
+        second = await Client.connect(port)  # handshake and metadata while learn() runs
+        answered = time.monotonic() - started
+        await eventually(lambda: algo.learns == 1)
+        await first.close()
+        await second.close()
+        return answered, second.metadata
+
+    _, (answered, metadata) = run_server(algo, tmp_path, script)
+    assert answered < 0.5 and metadata["message_type"] == "metadata"
+    assert algo.learn_threads and algo.learn_threads[0] is not threading.main_thread()
+
+
+def test_should_stop_closes_every_client_with_run_finished_and_run_returns_0(tmp_path):
+    class StopsAtTen(Probe):
+        def should_stop(self):
+            return self.global_step >= 10
+
+    async def until_closed(port, tags):
+        client = await Client.connect(port)
+        try:
+            while True:
+                await client.step(list(range(len(tags))), tags)
+        except websockets.ConnectionClosed:
+            return client.ws.close_code, client.ws.close_reason
+
+    async def script(port, server):
+        return await asyncio.gather(until_closed(port, [1]), until_closed(port, [2, 3]))
+
+    algo = StopsAtTen()
+    status, closes = run_server(algo, tmp_path, script)
+    assert status == 0 and closes == [(1000, "run finished"), (1000, "run finished")]
+    assert algo.global_step >= 10 and algo.checkpoints == 1  # the final checkpoint
+
+
+@pytest.mark.parametrize("bad", [
+    "text frame",
+    "unknown message_type",
+    "obs of the wrong shape",
+    "feedback without an action",
+    "infer that owes feedback",
+])
+def test_a_protocol_violation_gets_an_error_then_closes_that_connection_alone(tmp_path, bad):
+    algo = Probe()
+
+    async def script(port, server):
+        good, offender = await Client.connect(port), await Client.connect(port)
+        await good.step([0], [1])
+        if bad == "text frame":
+            await offender.ws.send("infer")
+        elif bad == "unknown message_type":
+            await offender.ws.send(pack_message({"message_type": "hello"}))
+        elif bad == "obs of the wrong shape":
+            await offender.ws.send(pack_message({"message_type": "infer", "env_indices": np.array([0]),
+                                                 "obs": {"state": np.zeros((1, 2), np.float32)}}))
+        elif bad == "feedback without an action":
+            await offender.feedback([0], [2])
+        else:
+            await offender.infer([0], [2])
+            await offender.ws.send(pack_message({"message_type": "infer", "env_indices": np.array([0]),
+                                                 "obs": obs_of([2])}))
+        error = await offender.receive()
+        code, _ = await offender.closed()
+        await good.step([0], [1])  # the other client is still served
+        await eventually(lambda: len(algo.frames) == 2)
+        await good.close()
+        return error, code
+
+    status, (error, code) = run_server(algo, tmp_path, script)
+    assert error["message_type"] == "error" and error["message"] and error["hint"]
+    assert code == 1008 and status == 0
+
+
+# =============================================================================================
+# 5. The page's minimal template, as a plug-in, end to end; the one-registry rule
+# =============================================================================================
+
+# Copied from the page; template_as_plugin() changes only its imports.
+TEMPLATE = '''import dataclasses
+
+import numpy as np
+
+from plugrl_server.algorithm.base_algorithm import BaseAlgoConfig, BaseAlgorithm
+from plugrl_server.algorithm.registration import register_algo, register_algo_config
+from plugrl_server.common.checkpoint_manager import Checkpoint
+from plugrl_server.policy.base_torch_policy import BaseTorchPolicy
+from plugrl_server.policy.state import PolicyRuntimeState, PolicyTrainState
+
+UID = "your-algo"
+
+
+@register_algo_config(UID)
+@dataclasses.dataclass
+class YourAlgoConfig(BaseAlgoConfig):
+    # The run length is BaseAlgoConfig's field, set with --algo.global-steps.
+    global_steps: int | None = 100_000
+
+
+@register_algo(UID)
+class YourAlgorithm(BaseAlgorithm):
+    # Set to False if the algorithm learns from a replay buffer.
+    on_policy = True
+
+    def __init__(self, config: YourAlgoConfig, policy: BaseTorchPolicy):
+        super().__init__(config=config, policy=policy)
+        self.global_step = 0
+
+    def infer(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
+        action, runtime_state = self.policy.get_action_and_runtime_state(obs)
+        return action, runtime_state
+
+    def feedback(
+        self,
+        *,
+        obs: dict,
+        runtime_state: PolicyRuntimeState,
+        train_state: PolicyTrainState = None,
+        terminated: bool,
+        truncated: bool,
+        next_obs: dict,
+        reward: float,
+        info: dict,
+        next_terminated: bool,
+        next_truncated: bool,
+        prev_node: tuple,
+    ) -> tuple[tuple, int, dict]:
+        # Store the frame here.
+        if (next_terminated or next_truncated) and "episode" in info:
+            if bool(info["episode"].get("mask", True)):
+                # Without this, rollout/success, reward and length stay 0.
+                self.record_episode_metrics(info["episode"])
+        self.global_step += 1
+        return prev_node, self.global_step, {}
+
+    def learn_impl(self) -> tuple[int, dict]:
+        return self.global_step, {}
+
+    def should_learn(self) -> bool:
+        return False
+
+    def should_stop(self) -> bool:
+        return self.global_step >= self.config.global_steps
+
+    def should_save(self) -> bool:
+        return False
+
+    def create_checkpoint(self) -> Checkpoint:
+        # state_dict() exists because a BaseTorchPolicy is a torch.nn.Module.
+        return Checkpoint(step=self.global_step, model=self.policy.state_dict(), optimizer=None, meta={})
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> None:
+        self.global_step = checkpoint.step
+        if checkpoint.model is not None:
+            self.policy.load_state_dict(checkpoint.model)
+'''
+
+
+def template_as_plugin() -> str:
+    """The template with `from plugrl_server.<module> import X` turned into `from plugrl_min import X`."""
+    plugin = re.sub(r"^from plugrl_server\.[\w.]+ import ", "from plugrl_min import ", TEMPLATE, flags=re.M)
+    changed = [new for old, new in zip(TEMPLATE.splitlines(), plugin.splitlines()) if old != new]
+    assert len(changed) == 5 and all(line.startswith("from plugrl_min import ") for line in changed)
+    return plugin
+
+
+@pytest.mark.parametrize("launcher", ["--plugin", "python -c"])
+def test_the_pages_template_runs_as_a_plugin_until_global_steps(tmp_path, launcher):
+    write_plugin(tmp_path, "your_module", template_as_plugin())
+    words = ["dummy-policy", "default", "your-algo", "default", "--algo.global-steps", "400",
+             "--port", "0", "--run-dir", str(tmp_path / "run")]
+    if launcher == "--plugin":
+        args = ["plugrl_min.py", *words, "--plugin", "your_module"]
+    else:  # the page's way: import the plug-in, then enter the command line
+        args = ["-c", "import your_module; from plugrl_min import main; main()", *words]
+    with Background(tmp_path, "server", args, pythonpath=tmp_path) as server:
+        client = python("plugrl_min.py", "env-client", "dummy-v1", "--server-port", str(server.port()),
+                        "--num-episodes", "1000000", "--num-envs", "4")
+        status = server.wait(60)
+    assert status == 0, server.stderr()
+    assert "run finished: global step 400" in server.stdout()
+    assert client.returncode == 0, client.stderr
+    assert "the server ended the run" in client.stdout
+    assert os.path.exists(tmp_path / "run" / "checkpoints" / "step_000000000400.pt")
+
+
+def test_a_plugin_importing_plugrl_min_registers_where_the_command_line_looks(tmp_path):
+    write_plugin(tmp_path, "listed_plugin", LISTED_PLUGIN)  # `from plugrl_min import register_algo, ...`
+    result = python("plugrl_min.py", "dummy-policy", "default", "plugin-listed", "default", "--algo.global-steps",
+                    "0", "--port", "0", "--run-dir", str(tmp_path / "run"), "--plugin", "listed_plugin",
+                    pythonpath=tmp_path)
+    assert result.returncode == 0, result.stderr  # the command line found the plug-in's config and class
+    assert json.JSONDecoder().raw_decode(result.stdout)[0]["algo_config"] == {"global_steps": 0, "listed_flag": 7}
+    assert "run finished" in result.stdout
+
+
+# =============================================================================================
+# 6. The built-in dummy algorithm and env client, end to end
+# =============================================================================================
+
+def reserve_port() -> int:
+    """A port the OS picks (bind to port 0): the client must be told it before the server exists."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+DUMMY_FLAGS = ["--algo.learn-every", "250", "--algo.save-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def dummy_run(tmp_path_factory):
+    """One dummy run of 2000 steps (a learn every 250, a save every 2 learns), its client started 2 s first."""
+    tmp = tmp_path_factory.mktemp("dummy")
+    port, run_dir, summary = reserve_port(), tmp / "run", tmp / "summary.json"
+    with Background(tmp, "client", ["plugrl_min.py", "env-client", "dummy-v1", "--server-port", str(port),
+                                    "--num-episodes", "1000000", "--num-envs", "4", "--summary-json",
+                                    str(summary)]) as client:
+        time.sleep(2.0)
+        client_waited = client.proc.poll() is None
+        with Background(tmp, "server", ["plugrl_min.py", "dummy-policy", "default", "dummy", "default",
+                                        "--algo.global-steps", "2000", *DUMMY_FLAGS, "--port", str(port),
+                                        "--run-dir", str(run_dir)]) as server:
+            server_status = server.wait(60)
+        client_status = client.wait(60)
+    return types.SimpleNamespace(run_dir=run_dir, summary=summary, client_waited=client_waited,
+                                 server_status=server_status, server_out=server.stdout() + server.stderr(),
+                                 client_status=client_status, client_out=client.stdout() + client.stderr())
+
+
+def test_dummy_stops_at_global_steps(dummy_run):
+    assert dummy_run.server_status == 0, dummy_run.server_out
+    assert "run finished: global step 2000, 8 learns" in dummy_run.server_out
+
+
+def test_env_client_exits_0_saying_the_server_ended_the_run(dummy_run):
+    assert dummy_run.client_status == 0, dummy_run.client_out
+    assert "the server ended the run" in dummy_run.client_out
+
+
+def test_env_client_waits_for_a_server_that_comes_up_later(dummy_run):
+    assert dummy_run.client_waited and dummy_run.client_status == 0, dummy_run.client_out
+
+
+def test_summary_json_has_the_five_keys(dummy_run):
+    with open(dummy_run.summary) as file:
+        summary = json.load(file)
+    assert {"episodes", "mean_return", "env_steps", "decisions", "seconds"} <= summary.keys()
+    assert summary["decisions"] >= 2000 and summary["env_steps"] >= summary["decisions"]
+    assert summary["episodes"] == len(summary["returns"]) > 0 and summary["seconds"] > 0
+
+
+def test_dummy_writes_one_metrics_line_per_learn(dummy_run):
+    metrics = read_metrics(dummy_run.run_dir)
+    assert [line["step"] for line in metrics] == list(range(250, 2001, 250))
+    assert all(line["rollout/episodes"] > 0 and line["rollout/reward"] < 0 for line in metrics)
+
+
+def test_dummy_checkpoints_load_with_weights_only(dummy_run):
+    paths = sorted(os.listdir(dummy_run.run_dir / "checkpoints"))
+    assert paths == ["step_000000001000.pt", "step_000000001500.pt", "step_000000002000.pt"]  # the newest 3
+    for name in paths:
+        payload = torch.load(dummy_run.run_dir / "checkpoints" / name, weights_only=True)
+        assert payload["step"] == int(name[5:-3]) and "trunk.0.weight" in payload["model"]
+        assert payload["meta"]["learns"] == payload["step"] // 250
+
+
+def test_every_torch_load_in_the_code_passes_weights_only():
+    with open(SOURCE) as file:
+        calls = re.findall(r"torch\.load\(([^)]*)\)", file.read())
+    assert calls and all("weights_only=True" in call for call in calls)
+
+
+def test_resume_continues_the_global_step_from_the_checkpoint(dummy_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(dummy_run.run_dir, run_dir)
+    before = len(read_metrics(run_dir))
+    with Background(tmp_path, "server", ["plugrl_min.py", "dummy-policy", "default", "dummy", "default",
+                                         "--algo.global-steps", "3000", *DUMMY_FLAGS, "--port", "0",
+                                         "--run-dir", str(run_dir), "--resume"]) as server:
+        client = python("plugrl_min.py", "env-client", "dummy-v1", "--server-port", str(server.port()),
+                        "--num-episodes", "1000000", "--num-envs", "4")
+        status = server.wait(60)
+    assert status == 0 and client.returncode == 0, server.stderr()
+    assert "resumed from step 2000" in server.stdout()
+    resumed = read_metrics(run_dir)[before:]
+    assert [line["step"] for line in resumed] == [2250, 2500, 2750, 3000]
+    assert [line["train/learns"] for line in resumed] == [9, 10, 11, 12]  # the dummy's counters, from meta
+    assert [line["server/policy_version"] for line in resumed] == [9, 10, 11, 12]  # the server's counters
+
+
+# =============================================================================================
+# 7. --help tells the truth
+# =============================================================================================
+
+def test_help_lists_the_builtin_policy_and_algorithm():
+    result = python("plugrl_min.py", "--help")
+    assert result.returncode == 0
+    assert re.search(r"policies:.*\bdummy-policy\b", result.stdout), result.stdout
+    assert re.search(r"algorithms:.*\bdummy\b", result.stdout), result.stdout
+
+
+@pytest.mark.parametrize("words", [["dummy-policy", "default", "no-such-algo", "default"],
+                                   ["dummy-policy", "default", "dummy", "no-such-variant"]],
+                         ids=["unknown uid", "unknown variant"])
+def test_an_unknown_uid_or_variant_is_a_one_line_error_listing_the_known_ones(words):
+    result = python("plugrl_min.py", *words)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no-such" in lines[0] and "known: dummy (default)" in lines[0], result.stderr
