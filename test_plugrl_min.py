@@ -2,9 +2,11 @@
 """Tests of plugrl_min that read as documentation of the PlugRL server contract.
 Wire format and registries as units; routing and the hooks over real WebSockets; the command line as subprocesses."""
 
+import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -25,7 +27,8 @@ from websockets.asyncio.client import connect
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import plugrl_min  # noqa: E402
-from plugrl_min import ProtocolError, pack_message, unpack_message  # noqa: E402
+from plugrl_min import (ClosedLoopMultiAction, Controller, MultiAction, ProtocolError,  # noqa: E402
+                        make_env, pack_message, unpack_message)
 
 SOURCE = os.path.join(HERE, "plugrl_min.py")
 
@@ -1144,3 +1147,782 @@ def test_an_unknown_uid_or_variant_is_a_one_line_error_listing_the_known_ones(wo
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "no-such" in lines[0] and "known: dummy (default)" in lines[0], result.stderr
+
+
+# =============================================================================================
+# Executing a decision (client side): environments, controllers, MultiAction, ClosedLoopMultiAction
+# =============================================================================================
+
+MODES = ("sum", "mean", "last", "stack")
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+class RecordingController(Controller):
+    """Pass-through controller with a dict state: calls per env, and the sum of the observations it saw.
+
+    It records every call (observation and decision it saw), so tests can check what the executor passes.
+    """
+
+    def __init__(self, decision_dim=1):
+        self.decision_dim = decision_dim
+        self.calls = 0
+        self.seen_obs, self.seen_decisions = [], []
+
+    def initial_state(self, n):
+        return {"calls": np.zeros(n, np.int64), "obs_sum": np.zeros((n, 1), np.float32)}
+
+    def __call__(self, obs, decision, state):
+        self.calls += 1
+        self.seen_obs.append(obs["state"].copy())
+        self.seen_decisions.append(np.array(decision, copy=True))
+        new_state = {"calls": state["calls"] + 1, "obs_sum": state["obs_sum"] + obs["state"][:, :1]}
+        return np.asarray(decision)[:, :1], new_state
+
+
+class PerRowInitialController(RecordingController):
+    """Like RecordingController, but every environment's initial state is different (its own index)."""
+
+    def initial_state(self, n):
+        return {"calls": np.arange(n, dtype=np.int64) * 100, "obs_sum": np.zeros((n, 1), np.float32)}
+
+
+def counting(n, steps, mode="sum", controller=None, **kwargs):
+    """counting-v1 with n envs, a closed loop of `steps`, reset; returns (executor, controller)."""
+    controller = controller or RecordingController()
+    executor = ClosedLoopMultiAction(make_env("counting-v1", n), controller, steps=steps,
+                                     reward_aggregation=mode, **kwargs)
+    executor.reset()
+    return executor, controller
+
+
+def ones(n, dim=1):
+    return np.ones((n, dim), np.float32)
+
+
+def decide(executor, n, times=1):
+    """Execute `times` decisions of ones; returns the last result."""
+    for _ in range(times):
+        result = executor.step(ones(n))
+    return result
+
+
+def state_of(obs):
+    return obs["state"][:, 0].tolist()
+
+
+# --- 1. vectorized environment interface -----------------------------------------------------------
+
+def test_reset_with_indices_resets_only_those_and_returns_every_observation():
+    env = make_env("counting-v1", 3)
+    env.reset()
+    env.step(np.zeros((3, 1)))
+    env.step(np.zeros((3, 1)))
+    obs = env.reset(indices=[1])
+    assert obs["state"].shape == (3, 1)
+    assert state_of(obs) == [2.0, 0.0, 2.0]
+
+
+def test_make_env_with_the_same_seed_gives_the_same_episodes():
+    a, b = make_env("dummy-v1", 4, seed=7), make_env("dummy-v1", 4, seed=7)
+    np.testing.assert_array_equal(a.reset()["state"], b.reset()["state"])
+    np.testing.assert_array_equal(a.reset(indices=[2])["state"], b.reset(indices=[2])["state"])
+
+
+def test_make_env_unknown_id_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match="no-such-env"):
+        make_env("no-such-env", 1)
+
+
+def test_inactive_env_keeps_its_observation():
+    env = make_env("dummy-v1", 2, seed=0)
+    before = env.reset()["state"].copy()
+    obs, *_ = env.step(np.ones((2, 1)), active=np.array([True, False]))
+    np.testing.assert_array_equal(obs["state"][1], before[1])
+    assert not np.array_equal(obs["state"][0], before[0])  # the active one did move
+
+
+def test_inactive_env_gets_zero_reward():
+    env = make_env("dummy-v1", 2, seed=0)
+    env.reset()
+    _, reward, *_ = env.step(np.ones((2, 1)), active=np.array([False, True]))
+    assert reward[0] == 0.0
+    assert reward[1] != 0.0
+
+
+def test_inactive_env_keeps_its_done_flags():
+    env = make_env("counting-v1", 2)  # env 0 terminates after 4 steps, env 1 after 5
+    env.reset()
+    for _ in range(4):
+        _, _, terminated, truncated, _ = env.step(np.zeros((2, 1)))
+    assert terminated.tolist() == [True, False]
+    obs, reward, terminated, truncated, _ = env.step(np.zeros((2, 1)), active=np.array([False, False]))
+    assert terminated.tolist() == [True, False]
+    assert truncated.tolist() == [False, False]
+    assert state_of(obs) == [4.0, 4.0]
+
+
+def test_inactive_step_does_not_count_toward_the_episode():
+    env = make_env("counting-v1", 1)
+    env.reset()
+    env.step(np.zeros((1, 1)))
+    env.step(np.zeros((1, 1)), active=np.array([False]))
+    obs, *_ = env.step(np.zeros((1, 1)))
+    assert state_of(obs) == [2.0]
+
+
+def test_inactive_finished_env_does_not_report_its_episode_again():
+    env = make_env("counting-v1", 2)
+    env.reset()
+    for _ in range(4):
+        *_, info = env.step(np.zeros((2, 1)))
+    assert info["episode"]["mask"].tolist() == [True, False]
+    *_, info = env.step(np.zeros((2, 1)), active=np.array([False, True]))
+    assert info["episode"]["mask"].tolist() == [False, True]
+
+
+# --- 2. counting-v1 ----------------------------------------------------------------------------------
+
+def test_counting_observation_is_physical_steps_as_float32_shape_1():
+    env = make_env("counting-v1", 2)
+    obs = env.reset()
+    assert obs["state"].dtype == np.float32 and obs["state"].shape == (2, 1)
+    assert state_of(obs) == [0.0, 0.0]
+    obs, *_ = env.step(np.zeros((2, 1)))
+    obs, *_ = env.step(np.zeros((2, 1)))
+    assert state_of(obs) == [2.0, 2.0]
+
+
+def test_counting_reward_is_one_per_physical_step():
+    env = make_env("counting-v1", 3)
+    env.reset()
+    _, reward, *_ = env.step(np.zeros((3, 1)))
+    assert reward.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_counting_env_i_terminates_after_4_plus_i_steps():
+    env = make_env("counting-v1", 4)
+    env.reset()
+    first_done = [None] * 4
+    for step in range(1, 9):
+        _, _, terminated, truncated, _ = env.step(np.zeros((4, 1)), active=np.array([d is None for d in first_done]))
+        assert not truncated.any()
+        for i in range(4):
+            if terminated[i] and first_done[i] is None:
+                first_done[i] = step
+    assert first_done == [4, 5, 6, 7]
+
+
+def test_counting_ignores_the_action():
+    a, b = make_env("counting-v1", 2), make_env("counting-v1", 2)
+    a.reset(), b.reset()
+    ra = a.step(np.full((2, 1), -1.0))
+    rb = b.step(np.full((2, 1), 1.0))
+    np.testing.assert_array_equal(ra[0]["state"], rb[0]["state"])
+    np.testing.assert_array_equal(ra[1], rb[1])
+
+
+# --- dummy-v1 and pendulum-v1 --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("env_id", ["dummy-v1", "pendulum-v1"])
+def test_observations_are_float32_n_by_3(env_id):
+    env = make_env(env_id, 5, seed=0)
+    obs = env.reset()
+    assert obs["state"].shape == (5, 3) and obs["state"].dtype == np.float32
+    obs, *_ = env.step(np.zeros((5, 1), np.float32))
+    assert obs["state"].shape == (5, 3) and obs["state"].dtype == np.float32
+
+
+@pytest.mark.parametrize("env_id", ["dummy-v1", "pendulum-v1"])
+def test_actions_outside_minus_one_one_are_clipped(env_id):
+    a, b = make_env(env_id, 2, seed=3), make_env(env_id, 2, seed=3)
+    assert a.action_dim == 1
+    a.reset(), b.reset()
+    obs_a, reward_a, *_ = a.step(np.array([[5.0], [-5.0]]))
+    obs_b, reward_b, *_ = b.step(np.array([[1.0], [-1.0]]))
+    np.testing.assert_array_equal(obs_a["state"], obs_b["state"])
+    np.testing.assert_array_equal(reward_a, reward_b)
+
+
+def _gym_pendulum_step(th, thdot, a):
+    """Gymnasium Pendulum-v1, written out: g=10, m=1, l=1, dt=0.05, max speed 8, max torque 2."""
+    g, m, l, dt = 10.0, 1.0, 1.0, 0.05
+    u = min(max(2.0 * a, -2.0), 2.0)
+    normalized = ((th + math.pi) % (2 * math.pi)) - math.pi
+    cost = normalized**2 + 0.1 * thdot**2 + 0.001 * u**2
+    newthdot = min(max(thdot + (3 * g / (2 * l) * math.sin(th) + 3.0 / (m * l**2) * u) * dt, -8.0), 8.0)
+    newth = th + newthdot * dt
+    return [math.cos(newth), math.sin(newth), newthdot], -cost
+
+
+@pytest.mark.parametrize("th, thdot, a", [
+    (1.0, 0.5, 0.3),  # plain step
+    (1.5, 7.9, 1.0),  # speed clipped at +8
+    (4.0, -7.95, -1.0),  # angle normalized for the cost, speed clipped at -8
+])
+def test_pendulum_step_matches_gymnasium_pendulum_v1(th, thdot, a):
+    env = make_env("pendulum-v1", 1, seed=0)
+    env.reset()
+    env.theta[:], env.theta_dot[:] = th, thdot
+    obs, reward, terminated, truncated, _ = env.step(np.array([[a]], np.float32))
+    expected_obs, expected_reward = _gym_pendulum_step(th, thdot, a)
+    np.testing.assert_allclose(obs["state"][0], expected_obs, rtol=1e-5, atol=1e-6)
+    assert reward[0] == pytest.approx(expected_reward, rel=1e-5)
+    assert not terminated[0] and not truncated[0]
+
+
+def test_pendulum_known_step_by_hand():
+    """th=1, thdot=0.5, a=0.3 (u=0.6): reward -(1 + 0.025 + 0.00036); newthdot = 0.5 + (15 sin 1 + 1.8) 0.05."""
+    env = make_env("pendulum-v1", 1)
+    env.reset()
+    env.theta[:], env.theta_dot[:] = 1.0, 0.5
+    obs, reward, *_ = env.step(np.array([[0.3]]))
+    assert reward[0] == pytest.approx(-1.02536, rel=1e-6)
+    newthdot = 1.2211032386
+    newth = 1.0 + newthdot * 0.05
+    np.testing.assert_allclose(obs["state"][0], [math.cos(newth), math.sin(newth), newthdot], rtol=1e-6)
+
+
+def test_pendulum_truncates_after_200_steps():
+    env = make_env("pendulum-v1", 1, seed=0)
+    env.reset()
+    for _ in range(199):
+        _, _, terminated, truncated, info = env.step(np.zeros((1, 1)))
+        assert not terminated[0] and not truncated[0]
+    _, _, terminated, truncated, info = env.step(np.zeros((1, 1)))
+    assert truncated[0] and not terminated[0]
+    assert info["episode"]["mask"][0] and info["episode"]["l"][0] == 200
+
+
+def test_dummy_truncates_at_50_steps_with_episode_info():
+    env = make_env("dummy-v1", 1, seed=1)
+    obs = env.reset()
+    assert abs(obs["state"][0, 2]) > 0.05  # standing still never reaches the target
+    total = 0.0
+    for _ in range(49):
+        _, reward, terminated, truncated, info = env.step(np.zeros((1, 1)))
+        total += float(reward[0])
+        assert not (terminated[0] or truncated[0]) and not info["episode"]["mask"][0]
+    _, reward, terminated, truncated, info = env.step(np.zeros((1, 1)))
+    total += float(reward[0])
+    episode = info["episode"]
+    assert truncated[0] and not terminated[0]
+    assert set(episode) >= {"r", "l", "s", "mask"}
+    assert episode["mask"][0] and episode["l"][0] == 50 and not episode["s"][0]
+    assert episode["r"][0] == pytest.approx(total, rel=1e-5)
+
+
+def test_dummy_terminates_with_success_on_reaching_the_target():
+    env = make_env("dummy-v1", 1, seed=1)
+    obs = env.reset()
+    total, steps = 0.0, 0
+    while True:
+        gap = float(obs["state"][0, 2])
+        obs, reward, terminated, truncated, info = env.step(np.array([[np.clip(gap / 0.2, -1, 1)]]))
+        total, steps = total + float(reward[0]), steps + 1
+        if terminated[0] or truncated[0]:
+            break
+    episode = info["episode"]
+    assert terminated[0] and not truncated[0] and steps < 50
+    assert episode["mask"][0] and episode["s"][0] and episode["l"][0] == steps
+    assert episode["r"][0] == pytest.approx(total, rel=1e-5)
+
+
+# --- 4. the counting table (SPEC, "Executing a decision") ------------------------------------------------
+
+FIRST_DECISION = {"sum": [3.0], "mean": [1.0], "last": [1.0], "stack": [[1.0, 1.0, 1.0]]}
+SECOND_DECISION = {"sum": [1.0], "mean": [1.0], "last": [1.0], "stack": [[1.0, 0.0]]}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_counting_table_first_decision_reward(mode):
+    executor, _ = counting(1, 3, mode)
+    _, reward, *_ = decide(executor, 1)
+    assert reward.tolist() == FIRST_DECISION[mode]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_counting_table_first_decision_observation_3_not_done(mode):
+    executor, _ = counting(1, 3, mode)
+    obs, _, terminated, truncated, info = decide(executor, 1)
+    assert state_of(obs) == [3.0]
+    assert not terminated[0] and not truncated[0]
+    assert info["executed_steps"].tolist() == [3]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_counting_table_second_decision_reward(mode):
+    executor, _ = counting(1, 3, mode)
+    decide(executor, 1)
+    _, reward, *_ = decide(executor, 1)
+    assert reward.tolist() == SECOND_DECISION[mode]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_counting_table_second_decision_observation_4_terminated(mode):
+    executor, _ = counting(1, 3, mode)
+    decide(executor, 1)
+    obs, _, terminated, truncated, info = decide(executor, 1)
+    assert state_of(obs) == [4.0]
+    assert terminated[0] and not truncated[0]
+    assert info["executed_steps"].tolist() == [1]
+
+
+def test_counting_table_controller_called_3_then_1_times():
+    executor, controller = counting(1, 3)
+    decide(executor, 1)
+    assert controller.calls == 3
+    decide(executor, 1)
+    assert controller.calls == 4
+
+
+def test_episode_statistics_count_physical_steps():
+    executor, _ = counting(1, 3)
+    *_, info = decide(executor, 1)
+    assert not info["episode"]["mask"][0]
+    *_, info = decide(executor, 1)
+    assert info["episode"]["mask"][0]
+    assert info["episode"]["l"][0] == 4 and info["episode"]["r"][0] == 4.0
+
+
+# Batch, K = 3: env 0 ends after 4 steps, env 1 after 5. Second decision: env 0 runs 1 step, env 1 runs 2;
+# every env stopped early, width = min(K, max executed + 1) = min(3, 3) = 3.
+BATCH_SECOND = {"sum": [1.0, 2.0], "mean": [1.0, 1.0], "last": [1.0, 1.0],
+                "stack": [[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_batch_first_decision_reward_every_env_runs_all_3_steps(mode):
+    executor, _ = counting(2, 3, mode)
+    _, reward, *_ = decide(executor, 2)
+    expected = [[1.0, 1.0, 1.0]] * 2 if mode == "stack" else [FIRST_DECISION[mode][0]] * 2
+    assert reward.tolist() == expected
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_batch_second_decision_reward_with_envs_ending_at_different_steps(mode):
+    executor, _ = counting(2, 3, mode)
+    decide(executor, 2)
+    _, reward, *_ = decide(executor, 2)
+    assert reward.tolist() == BATCH_SECOND[mode]
+
+
+def test_batch_second_decision_gives_each_envs_last_executed_observation_and_flags():
+    executor, _ = counting(2, 3)
+    decide(executor, 2)
+    obs, _, terminated, truncated, info = decide(executor, 2)
+    assert state_of(obs) == [4.0, 5.0]
+    assert terminated.tolist() == [True, True] and truncated.tolist() == [False, False]
+    assert info["executed_steps"].tolist() == [1, 2]
+
+
+# K = 5, three envs ending after 4, 5 and 6 steps: env 2 still runs, so the stack is zero-filled to K.
+ZERO_FILL = {"sum": [4.0, 5.0, 5.0], "mean": [1.0, 1.0, 1.0], "last": [1.0, 1.0, 1.0],
+             "stack": [[1.0, 1.0, 1.0, 1.0, 0.0], [1.0] * 5, [1.0] * 5]}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_batch_reward_when_one_env_stops_while_others_still_run(mode):
+    executor, _ = counting(3, 5, mode)
+    _, reward, *_ = decide(executor, 3)
+    assert reward.tolist() == ZERO_FILL[mode]
+
+
+def test_batch_flags_and_executed_steps_when_one_env_still_runs():
+    executor, _ = counting(3, 5)
+    obs, _, terminated, _, info = decide(executor, 3)
+    assert state_of(obs) == [4.0, 5.0, 5.0]
+    assert terminated.tolist() == [True, True, False]
+    assert info["executed_steps"].tolist() == [4, 5, 5]
+
+
+def test_stack_has_one_trailing_zero_when_every_env_stops_early_in_a_batch():
+    # K = 8, envs end after 4 and 5 steps: width = min(8, 5 + 1) = 6.
+    executor, _ = counting(2, 8, "stack")
+    _, reward, *_ = decide(executor, 2)
+    assert reward.tolist() == [[1.0, 1.0, 1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]]
+
+
+def test_stack_has_one_trailing_zero_when_the_single_env_stops_early():
+    executor, _ = counting(1, 10, "stack")
+    _, reward, *_ = decide(executor, 1)
+    assert reward.tolist() == [[1.0, 1.0, 1.0, 1.0, 0.0]]
+
+
+def test_stack_has_no_trailing_zero_when_an_env_ends_exactly_on_the_last_step():
+    # K = 4, env 0 ends on step 4 exactly, env 1 keeps running: no step was left, width stays K.
+    executor, _ = counting(2, 4, "stack")
+    _, reward, *_ = decide(executor, 2)
+    assert reward.tolist() == [[1.0] * 4, [1.0] * 4]
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "last"])
+def test_aggregation_uses_the_per_step_rewards_of_the_executed_steps(mode):
+    # dummy-v1 rewards differ per step; compare with plain stepping of an identical environment.
+    n, k = 3, 4
+    env, plain = make_env("dummy-v1", n, seed=5), make_env("dummy-v1", n, seed=5)
+    executor = ClosedLoopMultiAction(env, RecordingController(), steps=k, reward_aggregation=mode)
+    executor.reset(), plain.reset()
+    decision = np.array([[0.3], [-0.2], [1.0]], np.float32)
+    _, reward, *_, info = executor.step(decision)
+    assert info["executed_steps"].tolist() == [k] * n  # no episode ends within this decision
+    steps = [plain.step(decision)[1] for _ in range(k)]
+    expected = {"sum": np.sum(steps, 0), "mean": np.mean(steps, 0), "last": steps[-1]}[mode]
+    np.testing.assert_allclose(reward, expected, rtol=1e-6)
+
+
+# --- steps=1, decision, controller state ---------------------------------------------------------------
+
+@pytest.mark.parametrize("env_id", ["dummy-v1", "pendulum-v1"])
+@pytest.mark.parametrize("mode", MODES)
+def test_steps_1_is_exactly_one_plain_step_with_the_controllers_action(env_id, mode):
+    n = 3
+    env, plain = make_env(env_id, n, seed=11), make_env(env_id, n, seed=11)
+    controller = plugrl_min.make_controller("track", env)
+    executor = ClosedLoopMultiAction(env, controller, steps=1, reward_aggregation=mode)
+    obs, plain_obs = executor.reset(), plain.reset()
+    state = controller.initial_state(n)
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        decision = rng.uniform(-1, 1, (n, 1)).astype(np.float32)
+        action, state = controller(plain_obs, decision, state)
+        expected = plain.step(action)
+        obs, reward, terminated, truncated, info = executor.step(decision)
+        np.testing.assert_array_equal(obs["state"], expected[0]["state"])
+        np.testing.assert_array_equal(reward, expected[1][:, None] if mode == "stack" else expected[1])
+        np.testing.assert_array_equal(terminated, expected[2])
+        np.testing.assert_array_equal(truncated, expected[3])
+        for key in ("r", "l", "s", "mask"):
+            np.testing.assert_array_equal(info["episode"][key], expected[4]["episode"][key])
+        assert info["executed_steps"].tolist() == [1] * n
+        done = terminated | truncated
+        if done.any():
+            executor.reset(np.flatnonzero(done))
+            plain_obs = plain.reset(np.flatnonzero(done))
+        else:
+            plain_obs = expected[0]
+
+
+def test_decision_array_passed_in_is_not_modified():
+    executor, _ = counting(2, 3)
+    decision = np.array([[0.25], [-0.5]], np.float32)
+    original = decision.copy()
+    executor.step(decision)
+    executor.step(decision)
+    np.testing.assert_array_equal(decision, original)
+
+
+def test_decision_is_held_fixed_for_every_physical_step():
+    executor, controller = counting(2, 3)
+    decision = np.array([[0.25], [-0.5]], np.float32)
+    executor.step(decision)
+    assert len(controller.seen_decisions) == 3
+    for seen in controller.seen_decisions:
+        np.testing.assert_array_equal(seen, decision)
+
+
+def test_controller_state_advances_once_per_executed_step():
+    executor, _ = counting(2, 3)
+    decide(executor, 2)
+    assert executor.state["calls"].tolist() == [3, 3]
+    assert executor.state["obs_sum"][:, 0].tolist() == [0.0 + 1 + 2] * 2
+
+
+def test_controller_state_of_a_finished_env_stays_frozen():
+    executor, controller = counting(2, 3)
+    decide(executor, 2)
+    decide(executor, 2)  # env 0 runs 1 step, env 1 runs 2; the controller is called twice for both
+    assert controller.calls == 5
+    assert executor.state["calls"].tolist() == [4, 5]
+    assert executor.state["obs_sum"][:, 0].tolist() == [3.0 + 3.0, 3.0 + 3.0 + 4.0]
+
+
+def test_controller_state_starts_over_after_a_partial_reset():
+    executor, _ = counting(2, 3)
+    decide(executor, 2, times=2)
+    executor.reset(indices=[0])
+    assert executor.state["calls"].tolist() == [0, 5]
+    assert executor.state["obs_sum"][:, 0].tolist() == [0.0, 10.0]
+
+
+def test_controller_state_starts_over_after_a_full_reset():
+    executor, _ = counting(2, 3)
+    decide(executor, 2, times=2)
+    executor.reset()
+    assert executor.state["calls"].tolist() == [0, 0]
+    assert executor.state["obs_sum"][:, 0].tolist() == [0.0, 0.0]
+
+
+def test_controller_state_counts_again_from_zero_after_a_reset():
+    executor, _ = counting(2, 3)
+    decide(executor, 2, times=2)
+    executor.reset(indices=[0, 1])
+    decide(executor, 2)
+    assert executor.state["calls"].tolist() == [3, 3]
+
+
+def test_array_controller_state_is_frozen_for_a_finished_env():
+    executor = ClosedLoopMultiAction(make_env("counting-v1", 2), plugrl_min.PassThroughController(), steps=3)
+    executor.reset()
+    decide(executor, 2, times=2)
+    assert executor.state.tolist() == [4, 5]
+    executor.reset(indices=[1])
+    assert executor.state.tolist() == [4, 0]
+
+
+@pytest.mark.parametrize("indices", [[2, 0], [0, 2]])
+def test_reset_restores_each_reset_envs_own_initial_state(indices):
+    # Initial states that differ per env (env i starts at 100 i): each reset row gets its own back.
+    executor, _ = counting(3, 2, controller=PerRowInitialController())
+    decide(executor, 3)
+    executor.reset(indices=indices)
+    assert executor.state["calls"].tolist() == [0, 102, 200]
+
+
+def test_first_controller_call_sees_the_observation_the_policy_saw():
+    executor, controller = counting(2, 2)
+    policy_obs = executor.reset()["state"].copy()
+    executor.step(ones(2))
+    np.testing.assert_array_equal(controller.seen_obs[0], policy_obs)
+
+
+def test_first_controller_call_after_a_partial_reset_sees_the_reset_observation():
+    executor, controller = counting(2, 2)
+    decide(executor, 2)
+    policy_obs = executor.reset(indices=[0])["state"].copy()
+    assert policy_obs[:, 0].tolist() == [0.0, 2.0]
+    executor.step(ones(2))
+    np.testing.assert_array_equal(controller.seen_obs[2], policy_obs)
+
+
+def test_first_controller_call_of_a_decision_sees_the_previous_decisions_observation():
+    executor, controller = counting(1, 2)
+    obs, *_ = decide(executor, 1)
+    executor.step(ones(1))
+    np.testing.assert_array_equal(controller.seen_obs[2], obs["state"])
+
+
+def test_later_controller_calls_see_fresh_observations():
+    executor, controller = counting(2, 3)
+    decide(executor, 2)
+    assert [seen[:, 0].tolist() for seen in controller.seen_obs] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
+
+
+def test_stack_observations_gives_every_physical_steps_observation():
+    executor, _ = counting(1, 3, stack_observations=True)
+    obs, *_ = decide(executor, 1)
+    assert obs["state"].shape == (1, 3, 1)
+    assert obs["state"][0, :, 0].tolist() == [1.0, 2.0, 3.0]
+
+
+def test_stack_observations_repeats_the_last_one_after_the_env_stops():
+    executor, _ = counting(1, 3, stack_observations=True)
+    decide(executor, 1)
+    obs, *_ = decide(executor, 1)
+    assert obs["state"][0, :, 0].tolist() == [4.0, 4.0, 4.0]
+
+
+def test_stack_observations_next_decision_starts_from_the_newest_observation():
+    executor, controller = counting(1, 3, stack_observations=True)
+    decide(executor, 1)
+    decide(executor, 1)
+    assert controller.seen_obs[3][:, 0].tolist() == [3.0]
+
+
+# --- bad arguments -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("steps", [0, -1, 2.5, True, "3", None])
+def test_bad_steps_is_a_value_error_that_names_steps(steps):
+    with pytest.raises(ValueError, match=r"steps must be an integer of at least 1") as error:
+        ClosedLoopMultiAction(make_env("counting-v1", 1), RecordingController(), steps=steps)
+    assert repr(steps) in str(error.value)
+
+
+def test_unknown_reward_aggregation_is_a_value_error_listing_the_modes():
+    with pytest.raises(ValueError, match="reward_aggregation") as error:
+        ClosedLoopMultiAction(make_env("counting-v1", 1), RecordingController(), steps=2,
+                              reward_aggregation="median")
+    message = str(error.value)
+    assert "'median'" in message
+    assert all(mode in message for mode in MODES)
+
+
+def test_multiaction_unknown_reward_aggregation_is_a_value_error():
+    with pytest.raises(ValueError, match="reward_aggregation"):
+        MultiAction(make_env("counting-v1", 1), reward_aggregation="max")
+
+
+def test_multiaction_bad_replan_steps_is_a_value_error():
+    with pytest.raises(ValueError, match="steps.*0"):
+        MultiAction(make_env("counting-v1", 1), replan_steps=0)
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (2,), (3, 1), (2, 1, 1)])
+def test_decision_of_the_wrong_shape_is_a_value_error_naming_both_shapes(shape):
+    executor, controller = counting(2, 3)
+    with pytest.raises(ValueError, match=r"decision must be \[2, 1\]") as error:
+        executor.step(np.zeros(shape, np.float32))
+    assert str(list(shape)) in str(error.value)
+    assert controller.calls == 0  # nothing was executed
+
+
+def test_action_chunk_of_the_wrong_shape_is_a_value_error():
+    executor = MultiAction(make_env("counting-v1", 2))
+    executor.reset()
+    with pytest.raises(ValueError, match=r"action chunk must be \[2, H, 1\], got \[2, 3\]"):
+        executor.step(np.zeros((2, 3), np.float32))
+
+
+# --- MultiAction (open loop) -------------------------------------------------------------------------------
+
+def test_multiaction_executes_all_H_steps_of_the_chunk():
+    executor = MultiAction(make_env("counting-v1", 1))
+    executor.reset()
+    obs, reward, terminated, _, info = executor.step(np.zeros((1, 3, 1), np.float32))
+    assert state_of(obs) == [3.0] and not terminated[0]
+    assert info["executed_steps"].tolist() == [3]
+
+
+def test_multiaction_executes_at_most_replan_steps():
+    executor = MultiAction(make_env("counting-v1", 1), replan_steps=2)
+    executor.reset()
+    obs, reward, *_, info = executor.step(np.zeros((1, 3, 1), np.float32))
+    assert state_of(obs) == [2.0]
+    assert info["executed_steps"].tolist() == [2]
+
+
+def test_multiaction_rewards_are_summed():
+    executor = MultiAction(make_env("counting-v1", 1))
+    executor.reset()
+    _, reward, *_ = executor.step(np.zeros((1, 3, 1), np.float32))
+    assert reward.tolist() == [3.0]
+
+
+def test_multiaction_stops_a_finished_env():
+    executor = MultiAction(make_env("counting-v1", 2))
+    executor.reset()
+    obs, reward, terminated, truncated, info = executor.step(np.zeros((2, 7, 1), np.float32))
+    assert info["executed_steps"].tolist() == [4, 5]
+    assert state_of(obs) == [4.0, 5.0]
+    assert reward.tolist() == [4.0, 5.0]
+    assert terminated.tolist() == [True, True]
+
+
+def test_multiaction_executes_the_chunks_actions_in_order():
+    env, plain = make_env("dummy-v1", 2, seed=2), make_env("dummy-v1", 2, seed=2)
+    executor = MultiAction(env)
+    executor.reset(), plain.reset()
+    chunk = np.array([[[0.5], [-1.0], [0.25]], [[-0.3], [0.9], [0.0]]], np.float32)
+    obs, reward, *_, info = executor.step(chunk)
+    assert info["executed_steps"].tolist() == [3, 3]
+    plain_steps = [plain.step(chunk[:, t]) for t in range(3)]
+    rewards = [step[1] for step in plain_steps]
+    np.testing.assert_array_equal(obs["state"], plain_steps[-1][0]["state"])
+    np.testing.assert_allclose(reward, np.sum(rewards, 0), rtol=1e-6)
+
+
+def test_multiaction_reset_with_indices_returns_every_observation():
+    executor = MultiAction(make_env("counting-v1", 2))
+    executor.reset()
+    executor.step(np.zeros((2, 2, 1), np.float32))
+    obs = executor.reset(indices=[1])
+    assert state_of(obs) == [2.0, 0.0]
+    assert state_of(executor.obs) == [2.0, 0.0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_open_and_closed_loop_share_one_inner_loop(mode):
+    # The same physical actions through MultiAction and ClosedLoopMultiAction give the same decision result.
+    n, k = 3, 5
+    open_loop = MultiAction(make_env("counting-v1", n), reward_aggregation=mode)
+    closed_loop = ClosedLoopMultiAction(make_env("counting-v1", n), RecordingController(), steps=k,
+                                        reward_aggregation=mode)
+    open_loop.reset(), closed_loop.reset()
+    for _ in range(2):
+        a = open_loop.step(np.ones((n, k, 1), np.float32))
+        b = closed_loop.step(ones(n))
+        for x, y in zip(a[:4], b[:4]):
+            np.testing.assert_array_equal(x["state"] if isinstance(x, dict) else x,
+                                          y["state"] if isinstance(y, dict) else y)
+        np.testing.assert_array_equal(a[4]["executed_steps"], b[4]["executed_steps"])
+        done = np.flatnonzero(a[2] | a[3])
+        open_loop.reset(done), closed_loop.reset(done)
+
+
+# --- over the wire -----------------------------------------------------------------------------------------
+
+def _run_over_the_wire(tmp_path, steps, num_envs, episodes, mode="sum"):
+    """An in-process server (counting its infer calls) and run_env_client, in one event loop."""
+    config = plugrl_min.DummyAlgoConfig(global_steps=10**9)
+    algo = plugrl_min.make_algo("dummy", plugrl_min.make_policy("dummy-policy"), config)
+    counts = {"infer": 0, "rows": 0}
+    original_infer = algo.infer
+
+    def counting_infer(obs):
+        counts["infer"] += 1
+        counts["rows"] += len(obs["state"])
+        return original_infer(obs)
+
+    algo.infer = counting_infer
+    server = plugrl_min.Server(algo, str(tmp_path / "run"), ("dummy-policy", "dummy"))
+    summary_path = tmp_path / "summary.json"
+
+    async def main():
+        listening = asyncio.get_running_loop().create_future()
+        serving = asyncio.create_task(server.run("127.0.0.1", 0, on_listening=listening.set_result))
+        done, _ = await asyncio.wait([listening, serving], timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        assert listening in done, "the server did not start listening"
+        args = argparse.Namespace(
+            env_id="dummy-v1", server_host="127.0.0.1", server_port=listening.result(), num_episodes=episodes,
+            num_envs=num_envs, seed=0, summary_json=str(summary_path), connect_timeout=10, token=None,
+            closed_loop_steps=steps, controller="track", reward_aggregation=mode,
+            max_message_bytes=plugrl_min.MAX_MESSAGE_BYTES)
+        try:
+            client_status = await asyncio.wait_for(plugrl_min.run_env_client(args), 60)
+        finally:
+            server.request_stop()
+            server_status = await asyncio.wait_for(serving, 30)
+        return client_status, server_status
+
+    client_status, server_status = asyncio.run(main())
+    assert (client_status, server_status) == (0, 0)
+    summary = json.loads(summary_path.read_text())
+    return summary, counts, server
+
+
+WIRE_CASES = [(1, 1), (4, 1), (4, 3), (16, 1)]  # (K, num_envs)
+
+
+@pytest.fixture(scope="module", params=WIRE_CASES, ids=[f"K{k}-envs{n}" for k, n in WIRE_CASES])
+def wire_run(request, tmp_path_factory):
+    steps, num_envs = request.param
+    summary, counts, server = _run_over_the_wire(tmp_path_factory.mktemp("wire"), steps, num_envs, episodes=12)
+    return steps, num_envs, summary, counts, server
+
+
+def test_wire_summary_has_its_keys(wire_run):
+    _, _, summary, _, _ = wire_run
+    assert set(summary) >= {"episodes", "mean_return", "env_steps", "decisions", "seconds", "returns"}
+    assert summary["episodes"] >= 12 and len(summary["returns"]) == summary["episodes"]
+
+
+def test_wire_server_infers_once_per_decision(wire_run):
+    _, num_envs, summary, counts, server = wire_run
+    assert counts["rows"] == summary["decisions"]  # one inferred row per decision of each env
+    assert counts["infer"] * num_envs == summary["decisions"]  # one infer() per round trip of the client
+    assert server.infer_calls == counts["infer"]
+
+
+def test_wire_env_steps_are_about_K_per_decision(wire_run):
+    steps, _, summary, _, _ = wire_run
+    env_steps, decisions, episodes = summary["env_steps"], summary["decisions"], summary["episodes"]
+    assert env_steps <= steps * decisions
+    # Only the last decision of an episode can be cut short, by at most K - 1 steps.
+    assert env_steps >= steps * decisions - (steps - 1) * episodes
+    if 1 < steps <= 4:  # episodes (up to 50 steps) are long next to K: roughly K steps a decision
+        assert env_steps > (steps - 1) * decisions
+
+
+def test_wire_stack_rewards_reach_the_server(tmp_path):
+    summary, counts, _ = _run_over_the_wire(tmp_path, 4, 2, episodes=4, mode="stack")
+    assert summary["episodes"] >= 4 and counts["infer"] * 2 == summary["decisions"]
