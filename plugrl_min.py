@@ -1266,8 +1266,9 @@ async def _run_episodes(ws, executor, closed_loop: bool, decision_dim: int, num_
         tally["episodes"] = len(tally["returns"])
         tally["env_steps"] += int(info["executed_steps"].sum())
         tally["decisions"] += env.num_envs
+        info = {"episode": episode} if episode["mask"].any() else {}  # only finished episodes travel
         await ws.send(pack_message({"message_type": "feedback", "env_indices": indices, "obs": obs, "reward": reward,
-                                    "terminated": terminated, "truncated": truncated, "info": {"episode": episode}}))
+                                    "terminated": terminated, "truncated": truncated, "info": info}))
 
 
 async def run_env_client(args) -> int:

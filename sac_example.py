@@ -136,11 +136,12 @@ class SAC(BaseAlgorithm):
         self.last = {}  # the newest loss tensors; turned into floats only every log_every updates
 
     def init_optimizers(self) -> None:
-        """Adam for critics, actor and log alpha (CleanRL's choice), built once the modules exist."""
+        """Adam (CleanRL's choice): one for the critics, one for the actor with log alpha as a second group."""
         # foreach: one multi-tensor kernel per step instead of a Python loop over parameters.
         self.q_optimizer = torch.optim.Adam(self.critic.parameters(), lr=self.config.q_lr, foreach=True)
-        self.actor_optimizer = torch.optim.Adam(self.policy.parameters(), lr=self.config.policy_lr, foreach=True)
-        self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=self.config.q_lr, foreach=True)
+        self.actor_optimizer = torch.optim.Adam([{"params": self.policy.parameters()},
+                                                 {"params": [self.log_alpha], "lr": self.config.q_lr}],
+                                                lr=self.config.policy_lr, foreach=True)
 
     def infer(self, obs: dict) -> tuple[np.ndarray, dict]:
         """Uniform random actions in [-1, 1] until learning_starts frames are stored (exploration), then the policy."""
@@ -207,20 +208,17 @@ class SAC(BaseAlgorithm):
             for _ in range(cfg.policy_frequency):
                 pi, log_prob = self.policy.sample(obs)
                 actor_loss = (alpha * log_prob - self.critic(obs, pi).min(dim=0).values).mean()
+                # Alpha rises while the entropy (-log pi) is under target_entropy and falls while above.
+                # It sees log pi detached and the actor sees alpha detached, so one backward and one step serve
+                # both losses without mixing gradients. CleanRL draws a second sample here; this one estimates
+                # the same entropy one forward cheaper.
+                alpha_loss = -(self.log_alpha.exp() * (log_prob.detach() + self.target_entropy)).mean()
                 self.actor_optimizer.zero_grad(set_to_none=True)
-                actor_loss.backward()
+                (actor_loss + alpha_loss if cfg.autotune else actor_loss).backward()
                 self.actor_optimizer.step()
-                if cfg.autotune:
-                    # Raise alpha when the entropy (-log pi) is under the target, lower it when above.
-                    # The actor's fresh sample serves (detached); CleanRL draws another, to the same effect.
-                    alpha_loss = (-self.log_alpha.exp() * (log_prob.detach() + self.target_entropy)).mean()
-                    self.alpha_optimizer.zero_grad(set_to_none=True)
-                    alpha_loss.backward()
-                    self.alpha_optimizer.step()
-                    alpha = self.log_alpha.detach().exp()
-                    self.last.update(alpha_loss=alpha_loss.detach())
+                alpha = self.log_alpha.detach().exp()
             self.critic.requires_grad_(True)
-            self.last.update(actor_loss=actor_loss.detach(), alpha=alpha)
+            self.last.update(actor_loss=actor_loss.detach(), alpha_loss=alpha_loss.detach(), alpha=alpha)
 
         if self.updates % cfg.target_network_frequency == 0:
             # Polyak averaging, target += tau * (critic - target), as one fused multi-tensor kernel.
@@ -232,10 +230,9 @@ class SAC(BaseAlgorithm):
         return self.updates - self.saved_at >= self.config.save_every
 
     def create_checkpoint(self) -> Checkpoint:
-        """Actor in model, the three optimizers in optimizer, critics, targets, log alpha and counters in meta."""
+        """Actor in model, both optimizers in optimizer, critics, targets, log alpha and counters in meta."""
         self.saved_at = self.updates
-        optimizers = {"q": self.q_optimizer.state_dict(), "actor": self.actor_optimizer.state_dict(),
-                      "alpha": self.alpha_optimizer.state_dict()}
+        optimizers = {"q": self.q_optimizer.state_dict(), "actor": self.actor_optimizer.state_dict()}
         # Tensors and plain Python values only: checkpoints load with torch.load(weights_only=True).
         meta = {"updates": self.updates, "saved_at": self.saved_at, "critic": self.critic.state_dict(),
                 "critic_target": self.critic_target.state_dict(), "log_alpha": self.log_alpha.detach().clone()}
@@ -256,7 +253,6 @@ class SAC(BaseAlgorithm):
         if checkpoint.optimizer is not None:
             self.q_optimizer.load_state_dict(checkpoint.optimizer["q"])
             self.actor_optimizer.load_state_dict(checkpoint.optimizer["actor"])
-            self.alpha_optimizer.load_state_dict(checkpoint.optimizer["alpha"])
 
 
 # --- 5. Benchmark: the learning bar on pendulum-v1, server and client over a real WebSocket -------------
