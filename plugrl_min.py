@@ -37,11 +37,8 @@ from websockets.asyncio.server import serve
 PROTOCOL_VERSION = 1
 
 
-# =============================================================================================
-# 1. Wire format
-#    One binary WebSocket frame per message: a JSON header, then the raw bytes of its arrays.
-#    Implements the message transport behind the page's infer/feedback; no pickle, ever.
-# =============================================================================================
+# ===== 1. Wire format: one binary WebSocket frame per message, a JSON header then raw array bytes =====
+# PlugRL page: the transport under infer() and feedback(). Nothing is ever unpickled.
 
 # Frame layout: [4-byte little-endian header length][JSON header][array 0 bytes][array 1 bytes]...
 # The header is {"message": <the message, arrays replaced by {"__array__": i}>, "arrays": [[dtype, shape], ...]}.
@@ -138,11 +135,8 @@ def unpack_message(frame: bytes) -> dict:
     return decode(body["message"])
 
 
-# =============================================================================================
-# 2. State types
-#    What flows between infer, derive_train_state and feedback; and what a checkpoint holds.
-#    Implements the page's PolicyRuntimeState, PolicyTrainState and Checkpoint.
-# =============================================================================================
+# ===== 2. State types: what flows from infer to feedback, and what a checkpoint holds =====
+# PlugRL page: PolicyRuntimeState, PolicyTrainState (plugrl_server.policy.state) and Checkpoint.
 
 # Whatever the policy returns from infer beside the action: an array or a dict of arrays
 # (nested), batched along axis 0. The server slices it per environment for feedback.
@@ -174,80 +168,64 @@ def slice_rows(tree, rows):
     return tree[rows]
 
 
-# =============================================================================================
-# 3. Registries
-#    Where the command line finds policies and algorithms by UID and variant.
-#    Implements the page's register_* decorators and the make_* factories.
-# =============================================================================================
+# ===== 3. Registries: where the command line finds policies and algorithms by UID and variant =====
+# PlugRL page: register_algo_config, register_algo (and their policy twins), make_algo.
 
 _POLICY_CONFIGS, _POLICIES, _ALGO_CONFIGS, _ALGOS = {}, {}, {}, {}
 
 
-def _config_decorator(table, kind, uid, variant):
+def _registrar(table: dict, key, what: str, value):
+    """A class decorator that stores value(cls) under key, once."""
     def decorator(cls):
-        if (uid, variant) in table:
-            raise ValueError(f"{kind} config {uid!r} variant {variant!r} is already registered")
-        table[(uid, variant)] = cls()  # the default instance; flags override fields of a copy
-        return cls
-    return decorator
-
-
-def _class_decorator(table, kind, uid):
-    def decorator(cls):
-        if uid in table:
-            raise ValueError(f"{kind} {uid!r} is already registered")
-        table[uid] = cls
+        if key in table:
+            raise ValueError(f"{what} is already registered")
+        table[key] = value(cls)
         return cls
     return decorator
 
 
 def register_policy_config(uid: str, variant: str = "default"):
     """Class decorator: register a policy config dataclass's default instance under (uid, variant)."""
-    return _config_decorator(_POLICY_CONFIGS, "Policy", uid, variant)
+    return _registrar(_POLICY_CONFIGS, (uid, variant), f"policy config {uid}/{variant}", lambda cls: cls())
 
 
 def register_policy(uid: str):
     """Class decorator: register a BaseTorchPolicy subclass under uid."""
-    return _class_decorator(_POLICIES, "Policy", uid)
+    return _registrar(_POLICIES, uid, f"policy {uid}", lambda cls: cls)
 
 
 def register_algo_config(uid: str, variant: str = "default"):
     """Class decorator: register an algorithm config dataclass's default instance under (uid, variant)."""
-    return _config_decorator(_ALGO_CONFIGS, "Algorithm", uid, variant)
+    return _registrar(_ALGO_CONFIGS, (uid, variant), f"algorithm config {uid}/{variant}", lambda cls: cls())
 
 
 def register_algo(uid: str):
     """Class decorator: register a BaseAlgorithm subclass under uid."""
-    return _class_decorator(_ALGOS, "Algorithm", uid)
+    return _registrar(_ALGOS, uid, f"algorithm {uid}", lambda cls: cls)
 
 
-def _registered_config(table, kind, uid, variant):
-    if (uid, variant) not in table:
-        raise KeyError(f"{kind} config {uid}/{variant} is not registered.")
-    return dataclasses.replace(table[(uid, variant)])
+def _build(kind: str, classes: dict, configs: dict, uid: str, variant: str, config, **kwargs):
+    if config is None:  # a copy of the registered default, so flags never change the registry
+        if (uid, variant) not in configs:
+            raise KeyError(f"{kind} config {uid}/{variant} is not registered.")
+        config = dataclasses.replace(configs[(uid, variant)])
+    if uid not in classes:  # the page's symptom when only the config module was imported
+        raise KeyError(f"{kind} {uid} is not registered.")
+    return classes[uid](config=config, **kwargs)
 
 
 def make_policy(uid: str, config=None, variant: str = "default"):
     """Build the policy registered as uid, from config (default: the registered variant's defaults)."""
-    config = config if config is not None else _registered_config(_POLICY_CONFIGS, "Policy", uid, variant)
-    if uid not in _POLICIES:
-        raise KeyError(f"Policy {uid} is not registered.")
-    return _POLICIES[uid](config)
+    return _build("Policy", _POLICIES, _POLICY_CONFIGS, uid, variant, config)
 
 
 def make_algo(uid: str, policy, config=None, variant: str = "default"):
     """Build the algorithm registered as uid around policy. An abstract class raises TypeError here."""
-    config = config if config is not None else _registered_config(_ALGO_CONFIGS, "Algorithm", uid, variant)
-    if uid not in _ALGOS:
-        raise KeyError(f"Algorithm {uid} is not registered.")
-    return _ALGOS[uid](config=config, policy=policy)
+    return _build("Algorithm", _ALGOS, _ALGO_CONFIGS, uid, variant, config, policy=policy)
 
 
-# =============================================================================================
-# 4. Policies
-#    A policy maps a batch of observations to actions [n, action_horizon, action_dim].
-#    Implements the page's BaseTorchPolicy and the dummy-policy of its smoke test.
-# =============================================================================================
+# ===== 4. Policies: a batch of observations in, actions [n, action_horizon, action_dim] out =====
+# PlugRL page: BaseTorchPolicy, and the dummy-policy of its smoke test.
 
 class BaseTorchPolicy(nn.Module):
     """A policy is an nn.Module (so state_dict() works) with the methods the server and algorithms call."""
@@ -321,11 +299,8 @@ class DummyPolicy(BaseTorchPolicy):
         return {"action": np.zeros((n, self.action_horizon, self.action_dim), np.float32)}
 
 
-# =============================================================================================
-# 5. Algorithms
-#    The hooks the server loop calls, with the defaults of the page, and the built-in dummy.
-#    Implements the page's BaseAlgoConfig, BaseAlgorithm and its "Server contract".
-# =============================================================================================
+# ===== 5. Algorithms: the hooks the server loop calls, their defaults, and the built-in dummy =====
+# PlugRL page: BaseAlgoConfig, BaseAlgorithm, "Server contract" and "Design rules".
 
 @dataclasses.dataclass
 class BaseAlgoConfig:
@@ -479,11 +454,8 @@ class DummyAlgorithm(BaseAlgorithm):
         self.learns, self.saved_at_learn = checkpoint.meta["learns"], checkpoint.meta["saved_at_learn"]
 
 
-# =============================================================================================
-# 6. Server
-#    The asyncio WebSocket loop: batched infer, feedback routing, learn, save, stop.
-#    Implements the page's "Server contract" and "What the loop implies for the hooks".
-# =============================================================================================
+# ===== 6. Server: the asyncio WebSocket loop (batched infer, routing, learn, save, stop) =====
+# PlugRL page: "Server contract" and "What the loop implies for the hooks".
 
 RUN_FINISHED = "run finished"  # the close reason that tells a client the run is over (exit 0)
 SERVER_FAILED = "server failed"  # the close reason's prefix when the algorithm raised
@@ -517,7 +489,8 @@ def save_checkpoint(run_dir: str, checkpoint: Checkpoint, server_counters: dict,
     folder = os.path.join(run_dir, "checkpoints")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"step_{checkpoint.step:012d}.pt")
-    payload = {**dataclasses.asdict(checkpoint), "server": server_counters}
+    payload = {"step": checkpoint.step, "model": checkpoint.model, "optimizer": checkpoint.optimizer,
+               "meta": checkpoint.meta, "server": server_counters}  # not asdict(): it deep-copies every tensor
     with open(path + ".tmp", "wb") as file:
         torch.save(payload, file)
         file.flush()
@@ -852,11 +825,8 @@ def _leaves(tree):
         yield from _leaves(value) if isinstance(value, dict) else (value,)
 
 
-# =============================================================================================
-# 7. Environment client
-#    Vectorized environments, the decision executors (open and closed loop), the rollout loop.
-#    Implements the client side of the page's smoke test: plugrl-run-env-client dummy-v1.
-# =============================================================================================
+# ===== 7. Environment client: environments, executing a decision, the rollout loop =====
+# PlugRL page: the client of its smoke test (plugrl-run-env-client dummy-v1).
 
 class VecEnv:
     """num_envs environments stepped together in numpy; every built-in environment is one.
@@ -1315,11 +1285,8 @@ async def run_env_client(args) -> int:
     return 0
 
 
-# =============================================================================================
-# 8. Command line
-#    `python plugrl_min.py POLICY VARIANT ALGO VARIANT [flags]` and `python plugrl_min.py env-client ENV`.
-#    Implements the page's plugrl-run-server / plugrl-run-env-client, flags from the config dataclasses.
-# =============================================================================================
+# ===== 8. Command line: the server (POLICY VARIANT ALGO VARIANT) and the env-client =====
+# PlugRL page: plugrl-run-server and plugrl-run-env-client, flags from the config dataclasses.
 
 def _flag_type(hint):
     """A converter for one config field's type: int, float, str, bool, or one of these | None."""
