@@ -570,7 +570,9 @@ class Server:
             async for frame in ws:
                 try:
                     self.inbox.append(self.accept(conn, unpack_message(frame)))
-                except ProtocolError as error:
+                except Exception as error:  # whatever a client sends costs only its own connection
+                    if not isinstance(error, ProtocolError):
+                        error = ProtocolError(f"malformed message ({type(error).__name__}: {error})")
                     await self.reject(conn, error)
                     return
                 self.wake.set()
@@ -622,6 +624,12 @@ class Server:
         if not isinstance(info, dict) or not all(isinstance(leaf, np.ndarray) and leaf.shape[:1] == (m,)
                                                  for leaf in _leaves(info)):
             raise ProtocolError("info must be a dict whose arrays are batched [m, ...]")
+        episode = info.get("episode")
+        # record_episode_metrics reads these as numbers: a bad one must not reach the algorithm.
+        if episode is not None and not (isinstance(episode, dict) and all(
+                isinstance(episode.get(key), np.ndarray) and episode[key].shape == (m,)
+                and np.isfinite(episode[key]).all() for key in ("r", "l", "s", "mask"))):
+            raise ProtocolError("info['episode'] needs finite numbers r, l, s and a bool mask, each [m]")
         slots = [conn.slots.get(i) for i in env_ids]
         if any(slot is None or slot.step is None for slot in slots):
             raise ProtocolError("feedback for an environment that has no action",
