@@ -16,6 +16,7 @@ import dataclasses
 import glob
 import hmac
 import importlib
+import io
 import json
 import math
 import os
@@ -106,11 +107,13 @@ def unpack_message(frame: bytes) -> dict:
         raise ProtocolError("header must be an object with 'message' (object) and 'arrays' (list)")
     arrays, offset = [], start
     for i, spec in enumerate(body["arrays"]):
-        if not (isinstance(spec, list) and len(spec) == 2 and spec[0] in _ALLOWED_DTYPES and isinstance(spec[1], list)
-                and all(type(n) is int and n >= 0 for n in spec[1])):
+        if not (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], str) and spec[0] in _ALLOWED_DTYPES
+                and isinstance(spec[1], list) and all(type(n) is int and n >= 0 for n in spec[1])):
             raise ProtocolError(f"array {i}: {str(spec)[:80]} is not [dtype, shape] with an allowed dtype "
                                 "(bool, int, uint, float) and a shape of non-negative integers")
         dtype, shape = _ALLOWED_DTYPES[spec[0]], tuple(spec[1])
+        if len(shape) > 32 or math.prod(filter(None, shape)) * dtype.itemsize >= 2**63:  # numpy's limits,
+            raise ProtocolError(f"array {i}: numpy cannot make shape {str(spec[1])[:80]}")  # even when empty
         count = math.prod(shape)
         # Checked against the bytes actually present before anything is allocated or viewed.
         if count * dtype.itemsize > len(frame) - offset:
@@ -132,7 +135,10 @@ def unpack_message(frame: bytes) -> dict:
             return [decode(item) for item in value]
         return value
 
-    return decode(body["message"])
+    try:
+        return decode(body["message"])
+    except RecursionError:
+        raise ProtocolError("header nests too deeply") from None
 
 
 # ===== 2. State types: what flows from infer to feedback, and what a checkpoint holds =====
@@ -491,8 +497,16 @@ def save_checkpoint(run_dir: str, checkpoint: Checkpoint, server_counters: dict,
     path = os.path.join(folder, f"step_{checkpoint.step:012d}.pt")
     payload = {"step": checkpoint.step, "model": checkpoint.model, "optimizer": checkpoint.optimizer,
                "meta": checkpoint.meta, "server": server_counters}  # not asdict(): it deep-copies every tensor
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    buffer.seek(0)
+    try:  # a checkpoint that cannot be resumed from must fail the run now, not at --resume
+        torch.load(buffer, weights_only=True)
+    except Exception as error:
+        raise TypeError("create_checkpoint returned a value that torch.load(weights_only=True) refuses: keep "
+                        "tensors and plain Python values (numpy scalars and arrays are the usual culprits)") from error
     with open(path + ".tmp", "wb") as file:
-        torch.save(payload, file)
+        file.write(buffer.getbuffer())
         file.flush()
         os.fsync(file.fileno())
     os.replace(path + ".tmp", path)
@@ -543,7 +557,7 @@ class Server:
         self.connections = set()
         self.inbox = []  # validated messages, in arrival order
         self.waiting = []  # infer requests held while should_learn() is true
-        self.learning, self.stop_requested = False, False
+        self.stop_requested, self.learned_at = False, 0.0
         self.tasks = set()  # background tasks (asyncio keeps only weak references to them)
         self.infer_calls, self.inferred_envs, self.frames, self.learns = 0, 0, 0, 0
         self.feedback_log, self.last_log = {}, {}
@@ -707,11 +721,8 @@ class Server:
     async def learn_once(self) -> None:
         """pre_learn, learn() in a worker thread (the event loop keeps answering), post_learn, new version."""
         self.algo.pre_learn()
-        self.learning = True
-        try:
-            self.global_step, log = await asyncio.to_thread(self.learn_in_worker)
-        finally:
-            self.learning = False
+        self.global_step, log = await asyncio.to_thread(self.learn_in_worker)
+        self.learned_at = time.monotonic()  # the feedback clock stood still while learning
         self.algo.post_learn()
         self.version += 1
         self.learns += 1
@@ -760,12 +771,10 @@ class Server:
                 pass
 
     def drop_silent_clients(self) -> None:
-        """A client that owes feedback for --feedback-timeout seconds is dropped (not while learning)."""
-        if self.learning:
-            return
+        """A client that owes feedback for --feedback-timeout seconds is dropped; time spent learning is not counted."""
         limit = time.monotonic() - self.feedback_timeout
         for conn in list(self.connections):
-            if conn.owed and not conn.closed and conn.owed_since < limit:
+            if conn.owed and not conn.closed and max(conn.owed_since, self.learned_at) < limit:
                 conn.closed = True  # once: the task below runs after this pass
                 error = ProtocolError(f"no feedback for {self.feedback_timeout:g} s", "send feedback after every action")
                 task = asyncio.create_task(self.reject(conn, error))

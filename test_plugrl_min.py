@@ -4,18 +4,22 @@ Wire format and registries as units; routing and the hooks over real WebSockets;
 
 import argparse
 import asyncio
+import collections
 import dataclasses
+import glob
 import json
 import math
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 import tokenize
+import tracemalloc
 import types
 
 import numpy as np
@@ -27,8 +31,8 @@ from websockets.asyncio.client import connect
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import plugrl_min  # noqa: E402
-from plugrl_min import (ClosedLoopMultiAction, Controller, MultiAction, ProtocolError,  # noqa: E402
-                        make_env, pack_message, unpack_message)
+from plugrl_min import (Checkpoint, ClosedLoopMultiAction, Controller, MultiAction, ProtocolError,  # noqa: E402
+                        load_newest_checkpoint, make_env, pack_message, save_checkpoint, unpack_message)
 
 SOURCE = os.path.join(HERE, "plugrl_min.py")
 
@@ -226,6 +230,7 @@ class Probe(plugrl_min.BaseAlgorithm):
         self.frames = []  # the keyword arguments of every feedback call
         self.discarded, self.stale, self.learns, self.stored_since_learn = 0, 0, 0, 0
         self.episodes_recorded, self.checkpoints, self.learn_threads = 0, 0, []
+        self.learning = False  # true while learn_impl runs
 
     def infer(self, obs):
         tags = obs["state"][:, 0].copy()
@@ -260,7 +265,9 @@ class Probe(plugrl_min.BaseAlgorithm):
 
     def learn_impl(self):
         self.learn_threads.append(threading.current_thread())
+        self.learning = True
         time.sleep(self.learn_seconds)
+        self.learning = False
         self.events.append(("learn",))
         self.learns += 1
         self.stored_since_learn = 0
@@ -1926,3 +1933,1113 @@ def test_wire_env_steps_are_about_K_per_decision(wire_run):
 def test_wire_stack_rewards_reach_the_server(tmp_path):
     summary, counts, _ = _run_over_the_wire(tmp_path, 4, 2, episodes=4, mode="stack")
     assert summary["episodes"] >= 4 and counts["infer"] * 2 == summary["decisions"]
+
+
+# =============================================================================================
+# Hardening: helpers
+# =============================================================================================
+
+def serve(algo, run_dir, script, *, timeout=60.0, **options):
+    """Serve algo in-process (Server(**options)) while `await script(port, server)` drives clients.
+
+    Then request a stop (if the run has not ended by itself); returns (run()'s status, the script's result).
+    """
+    async def main():
+        server = plugrl_min.Server(algo, str(run_dir), ("dummy-policy", "probe"), **options)
+        ports = asyncio.Queue()
+        task = asyncio.create_task(server.run("127.0.0.1", 0, on_listening=ports.put_nowait))
+        listening = await asyncio.wait_for(ports.get(), 10)
+        try:
+            result = await asyncio.wait_for(script(listening, server), timeout)
+        finally:
+            server.request_stop()
+            status = await asyncio.wait_for(task, 15)
+        return status, result
+
+    return asyncio.run(main())
+
+
+def infer_message(env_ids=(0,), tag=7.0) -> dict:
+    return {"message_type": "infer", "env_indices": np.array(env_ids, np.int64), "obs": obs_of([tag] * len(env_ids))}
+
+
+def feedback_message(env_ids=(0,), tag=7.0, terminated=False) -> dict:
+    """A well-formed feedback message, as the env client sends it (info['episode'] = r, l, s, mask)."""
+    m = len(env_ids)
+    done = np.full(m, terminated)
+    return {"message_type": "feedback", "env_indices": np.array(env_ids, np.int64), "obs": obs_of([tag] * m),
+            "reward": np.zeros(m, np.float32), "terminated": done, "truncated": np.zeros(m, bool),
+            "info": {"episode": {"r": np.where(done, -3.0, 0.0).astype(np.float32), "l": np.where(done, 5, 0),
+                                 "s": done.copy(), "mask": done.copy()}}}
+
+
+async def outcome_of(ws, messages=None) -> str:
+    """What the server did after a bad frame; the contract is 'error, close 1008' (1009 for a frame too big).
+
+    The error's message is appended to `messages`, when given.
+    """
+    try:
+        message = unpack_message(await asyncio.wait_for(ws.recv(), 10))
+    except websockets.ConnectionClosed:
+        told = "no error"
+    except (TimeoutError, asyncio.TimeoutError):
+        await ws.close()
+        return "no reply in 10 s"
+    else:
+        if message.get("message_type") != "error":
+            await ws.close()
+            return f"accepted (got {message.get('message_type')})"
+        told = "error" if message.get("message") and message.get("hint") else "error without message or hint"
+        if messages is not None:
+            messages.append(message.get("message"))
+    try:
+        await asyncio.wait_for(ws.wait_closed(), 10)
+    except (TimeoutError, asyncio.TimeoutError):
+        return f"{told}, left open"
+    return f"{told}, close {ws.close_code}"
+
+
+async def hang_up(client: Client, abort: bool) -> None:
+    """Leave: a clean close handshake, or a dropped TCP connection (what a killed process leaves)."""
+    if abort:
+        client.ws.transport.abort()
+    else:
+        await client.close()
+
+
+def checkpoint_steps(run_dir) -> list[int]:
+    """The steps of the checkpoints in run_dir, oldest first (temporary files are not checkpoints)."""
+    return sorted(int(os.path.basename(path)[5:-3]) for path in glob.glob(os.path.join(run_dir, "checkpoints",
+                                                                                          "step_*.pt")))
+
+
+def wait_for(condition, timeout, what) -> None:
+    """Poll condition() (a subprocess's files) until it holds; fail after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def metrics_lines(run_dir) -> int:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    with open(path) as file:
+        return sum(1 for line in file if line.endswith("\n"))
+
+
+def env_client_args(port, *extra) -> list[str]:
+    return ["plugrl_min.py", "env-client", "dummy-v1", "--server-port", str(port), *extra]
+
+
+# =============================================================================================
+# 1. Bad input: an error message, then that connection alone is closed; a fuzz test over every kind
+# =============================================================================================
+
+BAD_TAG = 7.0  # every bad connection's observations carry this tag; the good client's carry 1 and 2
+
+
+def framed(header: bytes) -> bytes:
+    """A frame of just a header: its 4-byte length, then the header bytes (valid JSON or not)."""
+    return len(header).to_bytes(4, "little") + header
+
+
+ONE_ENV_PAYLOAD = np.zeros(1, np.int64).tobytes() + np.full((1, 3), BAD_TAG, np.float32).tobytes()
+
+
+def infer_by_hand(arrays, payload=ONE_ENV_PAYLOAD) -> bytes:
+    """An infer frame built by hand: env_indices is array 0, obs['state'] array 1 (one environment's bytes)."""
+    message = {"message_type": "infer", "env_indices": {"__array__": 0}, "obs": {"state": {"__array__": 1}}}
+    return raw_frame(arrays, payload, message)
+
+
+def with_changes(message: dict, **changes) -> dict:
+    """A copy of message with fields replaced (a value of ... removes the field)."""
+    message = dict(message, **changes)
+    return {key: value for key, value in message.items() if value is not ...}
+
+
+def with_info_episode(episode) -> dict:
+    return with_changes(feedback_message(terminated=True), info={"episode": episode})
+
+
+def pick(rng, options):
+    return options[int(rng.integers(len(options)))]
+
+
+# Every kind of malformed frame: make(rng) -> (prelude, frame). With prelude, the connection first makes a valid
+# infer for env 0 and reads its action (some faults only exist after an action). A str frame goes as a text frame.
+MALFORMED = {}
+
+
+def malformed(kind):
+    def register(make):
+        MALFORMED[kind] = make
+        return make
+    return register
+
+
+@malformed("random bytes")
+def _(rng):
+    return False, rng.bytes(int(rng.integers(0, 256)))
+
+
+@malformed("truncated frame")
+def _(rng):
+    full = pack_message(pick(rng, [infer_message((0, 1, 2)), feedback_message((0, 1))]))
+    return False, full[:int(rng.integers(0, len(full)))]
+
+
+@malformed("text frame")
+def _(rng):
+    as_json = json.dumps({"message_type": "infer", "env_indices": [0], "obs": {"state": [[7, 0, 0]]}})
+    noise = "".join(chr(c) for c in rng.integers(32, 0x2FF, int(rng.integers(1, 200))))
+    return False, pick(rng, ["", "infer", as_json, noise])
+
+
+@malformed("header not JSON")
+def _(rng):
+    return False, framed(pick(rng, [b"{nope", b"\xff\xfe", b'{"message": {}, "arrays": []', b"",
+                                    rng.bytes(int(rng.integers(1, 64))) + b"\x80"]))
+
+
+@malformed("header of the wrong form")
+def _(rng):
+    return False, framed(json.dumps(pick(rng, [
+        [], 1, "x", {}, None, {"message": [], "arrays": []}, {"message": {}, "arrays": {}}, {"arrays": []},
+        {"message": {"message_type": "infer"}}])).encode())
+
+
+@malformed("bad dtype")
+def _(rng):
+    dtype = pick(rng, ["|O", "<c8", "<c16", "<U3", "|S4", "|V4", ">f4", ">i8", "<M8[s]", "<m8[s]", "float32", "f",
+                       5, None, ["<f4"], {"<f4": 1}])
+    return False, infer_by_hand([["<i8", [1]], [dtype, [1, 3]]])
+
+
+@malformed("declared shape wants more bytes than sent")
+def _(rng):
+    shape = pick(rng, [[1, 3], [2, 3], [1, 30]])
+    return False, infer_by_hand([["<i8", [1]], ["<f4", shape]], ONE_ENV_PAYLOAD[:8 + int(rng.integers(0, 12))])
+
+
+@malformed("bytes left over after the arrays")
+def _(rng):
+    return False, pack_message(infer_message()) + rng.bytes(int(rng.integers(1, 33)))
+
+
+@malformed("huge declared array")
+def _(rng):
+    shape = pick(rng, [[10**12], [2**40, 2**40], [10**6] * 4, [2**62, 3], [1, 10**15]])
+    return False, infer_by_hand([["<i8", [1]], [pick(rng, ["<f8", "|u1", "<i4"]), shape]])
+
+
+@malformed("shape numpy cannot make")
+def _(rng):
+    shape = pick(rng, [[0, 10**30], [1] * 100, [10**40, 0], [-1], [2.5], ["3"], [True], "3", [[1]]])
+    return False, infer_by_hand([["<i8", [1]], ["<f4", shape]])
+
+
+@malformed("bad array reference")
+def _(rng):
+    reference = pick(rng, [{"__array__": 5}, {"__array__": -1}, {"__array__": "0"}, {"__array__": 0.0},
+                           {"__array__": True}, {"__array__": None}, {"__array__": 0, "x": 1}])
+    return False, raw_frame([["<i8", [1]]], ONE_ENV_PAYLOAD[:8], {"message_type": "infer", "env_indices": reference})
+
+
+@malformed("NaN or Infinity in the header")
+def _(rng):
+    constant = pick(rng, ["NaN", "Infinity", "-Infinity"])
+    return False, framed(b'{"message": {"message_type": "infer", "x": %s}, "arrays": []}' % constant.encode())
+
+
+@malformed("header nested too deeply")
+def _(rng):
+    depth = pick(rng, [int(rng.integers(300, 900)), 100_000])
+    return False, framed(b'{"message": {"message_type": "infer", "x": %s}, "arrays": []}'
+                         % (b"[" * depth + b"]" * depth))
+
+
+@malformed("unknown message_type")
+def _(rng):
+    kind = pick(rng, ["action", "metadata", "error", "", "Infer", "feedbacks", 1, None, [], {}, True, ...])
+    return False, pack_message(with_changes(infer_message(), message_type=kind))
+
+
+@malformed("message_type not a string")
+def _(rng):
+    kind = pick(rng, [np.array([1, 2]), np.zeros(3, np.float32), np.array([1]), np.array([[True, False]])])
+    return False, pack_message(with_changes(infer_message(), message_type=kind))
+
+
+@malformed("bad env_indices")
+def _(rng):
+    indices = pick(rng, [np.array([0], np.int32), np.array([0.0]), np.array([0], np.uint64), np.zeros((1, 1), np.int64),
+                         [0], ..., np.int64(0), np.array([-1], np.int64), np.array([True])])
+    return False, pack_message(with_changes(infer_message(), env_indices=indices))
+
+
+@malformed("env index reused within one message")
+def _(rng):
+    return pick(rng, [(False, pack_message(infer_message(pick(rng, [(0, 0), (1, 2, 1), (3, 3, 3)])))),
+                      (True, pack_message(feedback_message((0, 0))))])
+
+
+@malformed("obs keys differ from the policy's")
+def _(rng):
+    state = obs_of([BAD_TAG])["state"]
+    obs = pick(rng, [..., {}, {"state": state, "extra": np.zeros((1, 1), np.float32)}, {"State": state}, state,
+                     [state], "state", {"state": {"x": state}}])
+    return False, pack_message(with_changes(infer_message(), obs=obs))
+
+
+@malformed("obs shape differs from the policy's")
+def _(rng):
+    shape = pick(rng, [(1, 2), (1, 4), (2, 3), (3,), (1, 3, 1), (0, 3), ()])
+    return False, pack_message(with_changes(infer_message(), obs={"state": np.zeros(shape, np.float32)}))
+
+
+@malformed("obs dtype differs from the policy's")
+def _(rng):
+    dtype = pick(rng, [np.float64, np.float16, np.int32, np.int64, np.uint8, np.bool_])
+    return False, pack_message(with_changes(infer_message(), obs={"state": np.zeros((1, 3), dtype)}))
+
+
+@malformed("NaN or infinity in an infer's obs")
+def _(rng):
+    n = int(rng.integers(1, 5))
+    state = np.full((n, 3), BAD_TAG, np.float32)
+    state.flat[rng.integers(3 * n)] = pick(rng, [np.nan, np.inf, -np.inf])
+    return False, pack_message(with_changes(infer_message(range(n)), obs={"state": state}))
+
+
+@malformed("NaN or infinity in a feedback")
+def _(rng):
+    return True, pack_message(pick(rng, [
+        with_changes(feedback_message(), obs={"state": np.array([[BAD_TAG, np.nan, 0]], np.float32)}),
+        with_changes(feedback_message(), obs={"state": np.array([[BAD_TAG, 0, -np.inf]], np.float32)}),
+        with_changes(feedback_message(), reward=np.array([np.nan], np.float32)),
+        with_changes(feedback_message(), reward=np.array([np.inf])),
+        with_changes(feedback_message(), reward=np.array([[1.0, np.nan]], np.float32))]))
+
+
+@malformed("feedback for an environment that had no action")
+def _(rng):
+    return pick(rng, [(False, pack_message(feedback_message((0,)))), (True, pack_message(feedback_message((1,)))),
+                      (True, pack_message(feedback_message((0, 1))))])
+
+
+@malformed("two infers without feedback")
+def _(rng):
+    return True, pack_message(infer_message(pick(rng, [(0,), (0, 1), (1, 0)])))
+
+
+@malformed("bad reward, flags or info")
+def _(rng):
+    change = pick(rng, [
+        {"reward": np.zeros(2, np.float32)}, {"reward": np.zeros(1, bool)}, {"reward": np.zeros((1, 1, 1))},
+        {"reward": np.float32(0)}, {"reward": ...}, {"reward": [0.0]}, {"terminated": np.zeros(1, np.int8)},
+        {"truncated": np.zeros(2, bool)}, {"terminated": ...}, {"info": 5}, {"info": [np.zeros(1)]},
+        {"info": {"x": np.float32(1)}}, {"info": {"x": [1]}}, {"info": {"x": np.zeros(2)}}])
+    return True, pack_message(with_changes(feedback_message(), **change))
+
+
+@malformed("malformed info['episode']")
+def _(rng):
+    done = np.array([True])
+    return True, pack_message(with_info_episode(pick(rng, [
+        {"l": np.array([5]), "s": done, "mask": done},  # no return
+        {"r": np.array([-3.0], np.float32), "mask": done},  # no length
+        np.array([-3.0]),  # not a dict
+        {"r": np.zeros((1, 3), np.float32), "l": np.array([5]), "s": done, "mask": done},  # 3 returns per env
+        {"r": {"sum": np.array([-3.0])}, "l": np.array([5]), "s": done, "mask": done},  # nested
+        {"r": np.array([np.nan], np.float32), "l": np.array([5]), "s": done, "mask": done}])))  # not finite
+
+
+@malformed("oversized frame")
+def _(rng):
+    return False, b"\0" * (FUZZ_MAX_BYTES + int(rng.integers(1, 4096)))
+
+
+EXPECTED = collections.defaultdict(lambda: "error, close 1008", {"oversized frame": "no error, close 1009"})
+FUZZ_PER_KIND = 80  # 27 kinds: 2,160 malformed frames
+FUZZ_MAX_BYTES = 256 * 1024
+FUZZ_BATCH = 60  # bad connections open at once
+
+
+async def one_bad_connection(port, kind, rng) -> tuple[str, str | None]:
+    """Connect, read the metadata, (maybe) make one valid decision, send one bad frame: (outcome, error message)."""
+    prelude, frame = MALFORMED[kind](rng)
+    try:
+        ws = await connect(f"ws://127.0.0.1:{port}", compression=None, proxy=None, open_timeout=10, max_size=None)
+        assert unpack_message(await asyncio.wait_for(ws.recv(), 10))["message_type"] == "metadata"
+    except Exception as error:  # noqa: BLE001 - counted in the table
+        return f"connect failed ({type(error).__name__})", None
+    try:
+        if prelude:
+            await ws.send(pack_message(infer_message()))
+            reply = unpack_message(await asyncio.wait_for(ws.recv(), 10))
+            if reply.get("message_type") != "action":
+                await ws.close()
+                return "prelude refused", reply.get("message")
+        try:
+            await ws.send(frame)
+        except websockets.ConnectionClosed:
+            pass  # the server closed while a large frame was still going out: see below
+        messages = []
+        return await outcome_of(ws, messages), (messages or [None])[0]
+    except Exception as error:  # noqa: BLE001 - counted in the table
+        await ws.close()
+        return f"{type(error).__name__}", None
+
+
+def format_table(tried, examples, good) -> str:
+    lines = [f"malformed frames tried: {sum(sum(c.values()) for c in tried.values())} (one per connection, "
+             f"{FUZZ_BATCH} connections at a time), while a good client fed {good} frames", "",
+             f"{'kind':48s} {'tried':>5s}  what each produced (expected: error, close 1008)"]
+    for kind in MALFORMED:
+        produced = ", ".join(f"{outcome}: {n}" for outcome, n in tried[kind].most_common())
+        mark = "" if set(tried[kind]) == {EXPECTED[kind]} else "   <-- NOT AS EXPECTED"
+        lines.append(f"{kind:48s} {sum(tried[kind].values()):5d}  {produced}{mark}")
+    lines += ["", "one of the error messages of each kind:"]
+    lines += [f"  {kind:46s} {examples[kind][:110]}" for kind in MALFORMED if kind in examples]
+    return "\n".join(lines) + "\n"
+
+
+def test_fuzz_every_kind_of_malformed_frame_gets_an_error_and_a_close_while_a_good_client_trains(tmp_path):
+    algo = Probe()  # off-policy: every frame with a step state is fed
+    tried, examples = collections.defaultdict(collections.Counter), {}
+    jobs = [(kind, np.random.default_rng([i, n])) for n in range(FUZZ_PER_KIND) for i, kind in enumerate(MALFORMED)]
+    np.random.default_rng(0).shuffle(jobs)
+
+    async def good_client(port, done: asyncio.Event) -> tuple[int, str | None]:
+        client, fed = await Client.connect(port), 0
+        try:
+            while not done.is_set():
+                await client.step([0, 1], [1, 2])
+                fed += 2
+        except websockets.ConnectionClosed:
+            return fed, client.ws.close_reason  # the server closed it: the assertions below say so
+        await client.close()
+        return fed, None
+
+    async def script(port, server):
+        done = asyncio.Event()
+        good = asyncio.create_task(good_client(port, done))
+        for start in range(0, len(jobs), FUZZ_BATCH):
+            batch = jobs[start:start + FUZZ_BATCH]
+            results = await asyncio.gather(*(one_bad_connection(port, kind, rng) for kind, rng in batch))
+            for (kind, _), (outcome, message) in zip(batch, results):
+                tried[kind][outcome] += 1
+                if message is not None:
+                    examples.setdefault(kind, message)
+        done.set()
+        fed, closed_by_server = await good
+        if closed_by_server is None:
+            await eventually(lambda: len(algo.frames) >= fed, timeout=10)
+            still_serving = await Client.connect(port)
+            await still_serving.step([0], [3])
+            await still_serving.close()
+        return fed, closed_by_server
+
+    status, (fed, closed_by_server) = serve(algo, tmp_path, script, max_message_bytes=FUZZ_MAX_BYTES)
+    table = format_table(tried, examples, fed)
+    print("\n" + table)  # shown with pytest -s: the malformed frames tried, by kind, and what each produced
+    tags = collections.Counter(float(frame["runtime_state"]["tag"]) for frame in algo.frames)
+    assert sum(sum(counter.values()) for counter in tried.values()) >= 2000
+    assert closed_by_server is None and status == 0  # the server ran until it was asked to stop
+    assert {kind: dict(counter) for kind, counter in tried.items() if set(counter) != {EXPECTED[kind]}} == {}
+    assert tags == {1.0: fed // 2, 2.0: fed // 2, 3.0: 1}  # every good frame was fed; no bad one got through
+
+
+@pytest.mark.parametrize("episode", [
+    {"l": np.array([5]), "s": np.array([True]), "mask": np.array([True])},
+    np.array([-3.0]),
+    {"r": np.zeros((1, 3), np.float32), "l": np.array([5]), "s": np.array([True]), "mask": np.array([True])},
+], ids=["without its return", "not a dict", "three returns per environment"])
+def test_feedback_with_a_malformed_info_episode_gets_an_error_and_the_server_keeps_running(tmp_path, episode):
+    algo = Probe()
+
+    async def script(port, server):
+        good, offender = await Client.connect(port), await Client.connect(port)
+        await offender.infer([0], [BAD_TAG])
+        await offender.ws.send(pack_message(with_info_episode(episode)))
+        outcome = await outcome_of(offender.ws)
+        await good.step([0], [1])  # the server, and the other client, carry on
+        await eventually(lambda: len(algo.frames) == 1)
+        await good.close()
+        return outcome
+
+    status, outcome = serve(algo, tmp_path, script)
+    assert outcome == "error, close 1008" and status == 0
+    assert [float(frame["runtime_state"]["tag"]) for frame in algo.frames] == [1.0]
+
+
+def frame_declaring(arrays, payload=b"abc") -> bytes:
+    return raw_frame(arrays, payload)
+
+
+def raised_by_unpack(frame: bytes):
+    """What unpack_message raises for frame (None if it accepts it), so a failure reads in one line."""
+    try:
+        unpack_message(frame)
+    except Exception as error:  # noqa: BLE001 - the test asserts its type
+        return error
+    return None
+
+
+@pytest.mark.parametrize("shape", [[10**12], [2**40, 2**40], [10**6] * 4, [1, 10**15]])
+def test_a_header_declaring_a_huge_array_is_refused_quickly_without_allocating_it(shape):
+    frame = frame_declaring([["<f8", shape]])
+    tracemalloc.start()
+    started = time.perf_counter()
+    try:
+        with pytest.raises(ProtocolError):
+            unpack_message(frame)
+        elapsed = time.perf_counter() - started
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert elapsed < 0.1 and peak < 2**20
+
+
+@pytest.mark.parametrize("shape, payload", [([0, 10**30], b""), ([10**40, 0], b""), ([1] * 100, b"\0" * 8)],
+                         ids=["0 x 1e30", "1e40 x 0", "100 axes of 1"])
+def test_a_header_declaring_a_shape_numpy_cannot_make_is_a_protocol_error(shape, payload):
+    assert isinstance(raised_by_unpack(frame_declaring([["<f8", shape]], payload)), ProtocolError)
+
+
+@pytest.mark.parametrize("dtype", [["<f4"], {"<f4": 1}, 5, None], ids=["list", "object", "number", "null"])
+def test_a_header_whose_dtype_is_not_a_string_is_a_protocol_error(dtype):
+    assert isinstance(raised_by_unpack(frame_declaring([[dtype, [1]]], b"\0" * 4)), ProtocolError)
+
+
+def test_a_header_nested_too_deeply_is_a_protocol_error():
+    depth = 600
+    header = b'{"message": {"x": %s}, "arrays": []}' % (b"[" * depth + b"]" * depth)
+    assert isinstance(raised_by_unpack(framed(header)), ProtocolError)
+
+
+# =============================================================================================
+# 2. Size: --max-message-bytes (16 MiB by default); a larger frame closes that connection with 1009
+# =============================================================================================
+
+def test_a_frame_over_max_message_bytes_closes_that_connection_with_1009_and_the_server_carries_on(tmp_path):
+    algo = Probe()
+
+    async def script(port, server):
+        good, offender = await Client.connect(port), await Client.connect(port)
+        await good.step([0], [1])
+        await offender.ws.send(b"\0" * (64 * 1024 + 1))
+        outcome = await outcome_of(offender.ws)
+        await good.step([0], [1])
+        await eventually(lambda: len(algo.frames) == 2)
+        await good.close()
+        return outcome
+
+    status, outcome = serve(algo, tmp_path, script, max_message_bytes=64 * 1024)
+    assert outcome == "no error, close 1009" and status == 0
+
+
+def test_the_default_max_message_bytes_is_16_mib(tmp_path):
+    async def script(port, server):
+        at_limit, over = await Client.connect(port), await Client.connect(port)
+        await at_limit.ws.send(b"\0" * 2**24)  # read, then refused as a malformed message: 1008
+        await over.ws.send(b"\0" * (2**24 + 1))  # refused for its size: 1009
+        return await outcome_of(at_limit.ws), await outcome_of(over.ws)
+
+    _, outcomes = serve(Probe(), tmp_path, script)
+    assert outcomes == ("error, close 1008", "no error, close 1009")
+
+
+# =============================================================================================
+# 3. Lost clients: a disconnect at any point leaves nothing behind; a silent client is dropped
+# =============================================================================================
+
+class StopsAtN(Probe):
+    """Off-policy, stores every frame, stops when global_step reaches n (BaseAlgorithm.should_stop)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.config.global_steps = n
+
+
+MID_EPISODE_FRAMES = 3
+
+
+async def leave_after_metadata(port, tag, abort) -> int:
+    await hang_up(await Client.connect(port), abort)
+    return 0
+
+
+async def leave_after_infer_before_action(port, tag, abort) -> int:
+    client = await Client.connect(port)
+    await client.ws.send(pack_message(infer_message((0,), tag)))
+    await hang_up(client, abort)
+    return 0
+
+
+async def leave_after_action_before_feedback(port, tag, abort) -> int:
+    client = await Client.connect(port)
+    await client.infer([0, 1], [tag, tag])
+    await hang_up(client, abort)
+    return 0
+
+
+async def leave_mid_episode_owing_feedback(port, tag, abort) -> int:
+    """A few complete decisions of an episode, then gone while it owes feedback for the next one."""
+    client = await Client.connect(port)
+    for _ in range(MID_EPISODE_FRAMES):
+        await client.step([0], [tag])
+    await client.infer([0], [tag])  # its action proves the server read every feedback before it
+    await hang_up(client, abort)
+    return MID_EPISODE_FRAMES
+
+
+async def leave_mid_episode_right_after_a_feedback(port, tag, abort) -> int:
+    """A few complete decisions of an episode, the last feedback sent just before the close: all of them count."""
+    client = await Client.connect(port)
+    for _ in range(MID_EPISODE_FRAMES):
+        await client.step([0], [tag])
+    await hang_up(client, abort)
+    return MID_EPISODE_FRAMES
+
+
+# Every point of the exchange, each left with a clean close and with a dropped connection; except right after a
+# feedback, where only a clean close guarantees that the frame (a complete message, so it is stored) got there.
+DISCONNECTS = [(leave, abort) for leave in (leave_after_metadata, leave_after_infer_before_action,
+                                            leave_after_action_before_feedback, leave_mid_episode_owing_feedback)
+               for abort in (False, True)] + [(leave_mid_episode_right_after_a_feedback, False)]
+
+
+def test_clients_that_disconnect_at_every_point_lose_and_duplicate_nothing(tmp_path):
+    repeats, concurrent_frames = 6, 300  # 9 ways to leave x 6 = 54 disconnecting clients
+    disconnecting = DISCONNECTS * repeats
+    left_frames = MID_EPISODE_FRAMES * sum(leave.__name__.startswith("leave_mid_episode") for leave, _ in disconnecting)
+    n = left_frames + concurrent_frames + 200
+    algo = StopsAtN(n)
+    sent = {}
+
+    async def good_client(port, disconnects_done):
+        """Trains alongside the disconnecting clients, then on until the run is over."""
+        client, fed = await Client.connect(port), 0
+        try:
+            while True:
+                if fed == concurrent_frames:  # the last frames come after every disconnect
+                    await asyncio.wait_for(disconnects_done.wait(), 30)
+                await client.step([0], [1])
+                fed += 1
+        except websockets.ConnectionClosed:
+            return fed, client.ws.close_reason
+
+    async def script(port, server):
+        done = asyncio.Event()
+        good = asyncio.create_task(good_client(port, done))
+        for wave in range(0, len(disconnecting), 18):
+            tags = range(100 + wave, 100 + wave + 18)
+            fed = await asyncio.gather(*(leave(port, tag, abort)
+                                         for tag, (leave, abort) in zip(tags, disconnecting[wave:wave + 18])))
+            sent.update(zip(tags, fed))
+        await eventually(lambda: len(server.connections) == 1)  # only the good client is left
+        done.set()
+        return await good
+
+    status, (good_fed, reason) = serve(algo, tmp_path, script)
+    stored = collections.Counter(float(frame["runtime_state"]["tag"]) for frame in algo.frames)
+    assert status == 0 and reason == "run finished"
+    assert algo.global_step == len(algo.frames) == n
+    assert good_fed == n - left_frames
+    assert stored == {1.0: good_fed, **{float(tag): fed for tag, fed in sent.items() if fed}}  # none twice
+    assert all(frame["obs"]["state"][0] == frame["next_obs"]["state"][0] for frame in algo.frames)  # none half
+
+
+class LearnsOnceAfterTheFirstFrame(Probe):
+    """One learn of half a second, started by the first stored frame."""
+
+    learn_seconds = 0.5
+
+    def should_learn(self):
+        return self.learns == 0 and self.global_step >= 1
+
+
+def test_a_feedback_sent_just_before_leaving_is_stored_even_when_the_server_reads_it_after_the_close(tmp_path):
+    algo = LearnsOnceAfterTheFirstFrame()
+
+    async def script(port, server):
+        learner, leaving = await Client.connect(port), await Client.connect(port)
+        await leaving.infer([0], [2])
+        await learner.step([0], [1])  # starts the learn: feedback is queued until it ends
+        await eventually(lambda: algo.learning)
+        await leaving.feedback([0], [2])
+        await leaving.close()  # gone before the server routes its last, complete frame
+        await eventually(lambda: len(server.connections) == 1)
+        assert algo.learning  # the connection is gone and its last frame not yet routed
+        await eventually(lambda: algo.learns == 1 and not algo.learning)
+        await learner.infer([0], [1])  # one more pass of the server loop
+        await learner.close()
+
+    serve(algo, tmp_path, script)
+    assert sorted(float(frame["runtime_state"]["tag"]) for frame in algo.frames) == [1.0, 2.0]
+
+
+def test_a_client_silent_after_an_action_is_dropped_after_the_feedback_timeout_and_others_carry_on(tmp_path):
+    algo = Probe()
+
+    async def keeps_stepping(client, stop: asyncio.Event) -> int:
+        steps = 0
+        while not stop.is_set():
+            await client.step([0], [1])  # feeds back after every action, so it is never dropped
+            steps += 1
+            await asyncio.sleep(0.01)
+        return steps
+
+    async def script(port, server):
+        good, silent = await Client.connect(port), await Client.connect(port)
+        stop = asyncio.Event()
+        stepping = asyncio.create_task(keeps_stepping(good, stop))
+        await silent.infer([0], [BAD_TAG])
+        acted = time.monotonic()
+        error = await silent.receive()
+        dropped_after = time.monotonic() - acted
+        closed = await silent.closed()
+        stop.set()
+        steps = await stepping
+        await eventually(lambda: len(algo.frames) == steps)
+        good_open = good.ws.close_code is None
+        await good.close()
+        return error["message_type"], dropped_after, closed[0], steps, good_open
+
+    _, (kind, dropped_after, code, steps, good_open) = serve(algo, tmp_path, script, feedback_timeout=0.5)
+    assert kind == "error" and code == 1008
+    assert 0.5 <= dropped_after < 3.0
+    assert good_open and steps > 0 and len(algo.frames) == steps
+
+
+def test_a_silent_clients_error_message_says_what_happened(tmp_path):
+    async def script(port, server):
+        silent = await Client.connect(port)
+        await silent.infer([0], [BAD_TAG])
+        return await silent.receive()
+
+    _, error = serve(Probe(), tmp_path, script, feedback_timeout=0.3)
+    assert error["message_type"] == "error" and error["message"] == "no feedback for 0.3 s" and error["hint"]
+
+
+class LearnsOnceForLong(LearnsOnceAfterTheFirstFrame):
+    learn_seconds = 2.0
+
+
+def test_a_client_that_owes_feedback_while_the_server_learns_longer_than_the_timeout_is_kept(tmp_path):
+    algo = LearnsOnceForLong()
+
+    async def script(port, server):
+        learner, owing = await Client.connect(port), await Client.connect(port)
+        await owing.infer([0], [2])  # owes feedback from here
+        await learner.step([0], [1])  # starts the 2 s learn
+        await asyncio.sleep(1.0)  # silent for twice the timeout, all of it while the server learns
+        assert algo.learning
+        await owing.feedback([0], [2])
+        again = await owing.infer([0], [2])  # answered once the learn is over
+        await owing.feedback([0], [2])
+        await eventually(lambda: len(algo.frames) == 3)
+        await learner.close()
+        await owing.close()
+        return again
+
+    _, again = serve(algo, tmp_path, script, feedback_timeout=0.5)
+    assert again["message_type"] == "action" and algo.learns == 1
+    assert sorted(float(frame["runtime_state"]["tag"]) for frame in algo.frames) == [1.0, 2.0, 2.0]
+
+
+# =============================================================================================
+# 4. Client side: wait for a server that is not up yet; reconnect after a server restart
+# =============================================================================================
+
+def test_env_client_waits_for_a_server_that_is_not_up_yet(tmp_path, capsys):
+    port = reserve_port()
+
+    async def main():
+        client = asyncio.create_task(asyncio.to_thread(plugrl_min.env_client_main, [
+            "dummy-v1", "--server-port", str(port), "--num-episodes", "2", "--connect-timeout", "30"]))
+        await asyncio.sleep(1.5)  # no server yet: the client retries with backoff
+        waited = not client.done()
+        server = plugrl_min.Server(Probe(), str(tmp_path), ("dummy-policy", "probe"))
+        run = asyncio.create_task(server.run("127.0.0.1", port))
+        status = await asyncio.wait_for(client, 30)
+        server.request_stop()
+        await asyncio.wait_for(run, 15)
+        return waited, status
+
+    waited, status = asyncio.run(main())
+    assert waited and status == 0
+    assert "finished 2 episodes" in capsys.readouterr().out
+
+
+def test_env_client_gives_a_clear_error_when_no_server_comes_within_connect_timeout(capsys):
+    port = reserve_port()
+    started = time.monotonic()
+    status = plugrl_min.env_client_main(["dummy-v1", "--server-port", str(port), "--connect-timeout", "1"])
+    elapsed = time.monotonic() - started
+    assert status != 0 and 1.0 <= elapsed < 5.0
+    assert f"env-client: no server at ws://127.0.0.1:{port} after 1 s" in capsys.readouterr().err
+
+
+def test_env_client_reconnects_after_a_server_restart_and_finishes(tmp_path):
+    port = reserve_port()
+    server_args = ["plugrl_min.py", "dummy-policy", "default", "dummy", "default", "--port", str(port),
+                   "--algo.learn-every", "100", "--algo.global-steps", "1000000000"]
+    with Background(tmp_path, "client", env_client_args(port, "--num-episodes", "150", "--num-envs", "4",
+                                                        "--connect-timeout", "30")) as client:
+        with Background(tmp_path, "first", [*server_args, "--run-dir", str(tmp_path / "first")]) as first:
+            wait_for(lambda: metrics_lines(tmp_path / "first") >= 2 or first.proc.poll() is not None, 30,
+                     "the first server's first 200 frames")
+            first.proc.kill()  # kill -9, mid-run
+            first.wait(10)
+        alive_between = client.proc.poll() is None
+        with Background(tmp_path, "second", [*server_args, "--run-dir", str(tmp_path / "second")]) as second:
+            client_status = client.wait(60)
+            second.proc.send_signal(signal.SIGTERM)
+            second_status = second.wait(30)
+    assert alive_between and client_status == 0, client.stdout() + client.stderr()
+    assert "reconnecting" in client.stderr()
+    assert int(re.search(r"finished (\d+) episodes", client.stdout()).group(1)) >= 150  # 4 envs may overshoot
+    assert "refused" not in client.stderr()  # the new server was never sent feedback for an action it did not give
+    assert second_status == 0 and metrics_lines(tmp_path / "second") >= 1, second.stdout() + second.stderr()
+
+
+# =============================================================================================
+# 5. Algorithm faults: logged with the traceback, clients told "server failed", run() returns 1
+# =============================================================================================
+
+class Faulty(Probe):
+    """Raises in one hook; learns and saves after every stored frame so that every hook runs."""
+
+    learn_every = 1
+
+    def __init__(self, fault):
+        super().__init__()
+        self.fault = fault
+
+    def maybe_fail(self, hook):
+        if self.fault == hook:
+            raise RuntimeError(f"deliberate fault in {hook}")
+
+    def infer(self, obs):
+        self.maybe_fail("infer")
+        return super().infer(obs)
+
+    def feedback(self, **kwargs):
+        self.maybe_fail("feedback")
+        return super().feedback(**kwargs)
+
+    def learn_impl(self):
+        self.maybe_fail("learn_impl")
+        return super().learn_impl()
+
+    def should_save(self):
+        return self.learns > self.checkpoints
+
+    def create_checkpoint(self):
+        self.maybe_fail("create_checkpoint")
+        return super().create_checkpoint()
+
+
+async def two_clients_until_closed(port, server):
+    """One client makes a decision (every hook runs), another waits; both until the server closes them."""
+    acting, waiting = await Client.connect(port), await Client.connect(port)
+    try:
+        await acting.step([0], [1])
+        await acting.infer([0], [1])
+    except websockets.ConnectionClosed:
+        pass
+    return await acting.closed(), await waiting.closed()
+
+
+@pytest.mark.parametrize("hook", ["infer", "feedback", "learn_impl", "create_checkpoint"])
+def test_an_exception_in_a_hook_tells_every_client_the_server_failed_and_run_returns_1(tmp_path, capsys, hook):
+    status, closes = serve(Faulty(hook), tmp_path, two_clients_until_closed)
+    assert status == 1
+    assert closes == ((1011, "server failed: RuntimeError"), (1011, "server failed: RuntimeError"))
+    log = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in log and f"RuntimeError: deliberate fault in {hook}" in log
+
+
+@pytest.mark.parametrize("hook", ["infer", "feedback", "learn_impl", "create_checkpoint"])
+def test_an_exception_in_a_hook_writes_no_checkpoint(tmp_path, hook):
+    serve(Faulty(hook), tmp_path, two_clients_until_closed)
+    assert checkpoint_steps(tmp_path) == []
+
+
+class SavesNumpyInMeta(Faulty):
+    """create_checkpoint puts a numpy integer in meta: torch.load(weights_only=True) refuses such a file."""
+
+    def create_checkpoint(self):
+        checkpoint = super().create_checkpoint()
+        checkpoint.meta["frames"] = np.int64(len(self.frames))
+        return checkpoint
+
+
+def test_a_checkpoint_that_cannot_load_with_weights_only_fails_the_run_instead_of_being_written(tmp_path):
+    async def one_decision(port, server):
+        client = await Client.connect(port)
+        try:
+            await client.step([0], [1])  # a learn, then a checkpoint is due
+            await client.infer([0], [1])
+        except websockets.ConnectionClosed:
+            pass
+        return client.ws.close_reason
+
+    status, reason = serve(SavesNumpyInMeta(fault=None), tmp_path, one_decision)
+    assert status == 1 and reason.startswith("server failed")
+    assert checkpoint_steps(tmp_path) == []
+
+
+FAILS_IN_LEARN = '''
+import dataclasses
+from plugrl_min import DummyAlgoConfig, DummyAlgorithm, register_algo, register_algo_config
+
+
+@register_algo_config("fails-in-learn")
+@dataclasses.dataclass
+class FailsInLearnConfig(DummyAlgoConfig):
+    learn_every: int = 50
+    save_every: int = 1
+
+
+@register_algo("fails-in-learn")
+class FailsInLearn(DummyAlgorithm):
+    def learn_impl(self):
+        raise RuntimeError("deliberate failure in learn_impl")
+'''
+
+
+def test_an_algorithm_that_raises_in_learn_exits_1_and_its_client_exits_saying_the_server_failed(tmp_path):
+    write_plugin(tmp_path, "fails_in_learn", FAILS_IN_LEARN)
+    port, run_dir = reserve_port(), tmp_path / "run"
+    with Background(tmp_path, "client", env_client_args(port, "--num-episodes", "1000000",
+                                                        "--connect-timeout", "30")) as client:
+        with Background(tmp_path, "server", ["plugrl_min.py", "dummy-policy", "default", "fails-in-learn", "default",
+                                             "--port", str(port), "--run-dir", str(run_dir), "--plugin",
+                                             "fails_in_learn"], pythonpath=tmp_path) as server:
+            server_status = server.wait(60)
+        client_status = client.wait(30)
+    assert server_status == 1, server.stdout() + server.stderr()
+    assert "Traceback" in server.stderr() and "RuntimeError: deliberate failure in learn_impl" in server.stderr()
+    assert client_status != 0 and "the server failed (server failed: RuntimeError)" in client.stderr()
+    assert checkpoint_steps(run_dir) == []
+
+
+# =============================================================================================
+# 6. Stop and resume: SIGINT/SIGTERM save and exit 0; atomic checkpoints; --resume restores every counter
+# =============================================================================================
+
+
+
+STOPPED_AT = 351  # 3 learns (at steps 100, 200, 300), then 51 more frames
+
+
+async def feed(port, decisions=None, then=lambda: None) -> tuple[int, tuple[int, str]]:
+    """A hand-driven client with one environment: `decisions` decisions (None: until the server closes it).
+
+    Then it takes one more action (its reply proves that every feedback before it was routed), calls then(),
+    and waits, owing that feedback, for the server to close it. Returns (frames fed, (close code, reason)).
+    """
+    client, fed = await Client.connect(port), 0
+    try:
+        while decisions is None or fed < decisions:
+            await client.step([0], [0.5])
+            fed += 1
+        await client.infer([0], [0.5])
+        then()
+        return fed, await client.closed()
+    except websockets.ConnectionClosed:
+        return fed, (client.ws.close_code, client.ws.close_reason)
+
+
+def dummy_server(run_dir, *flags, port=0) -> list[str]:
+    """The command line of a dummy run: a learn every 100 frames, a save every learn."""
+    return ["plugrl_min.py", "dummy-policy", "default", "dummy", "default", "--algo.learn-every", "100",
+            "--algo.save-every", "1", "--port", str(port), "--run-dir", str(run_dir), *flags]
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    """A dummy run (a learn every 100 frames, a save every learn) stopped by SIGTERM at step 351, mid-decision."""
+    tmp = tmp_path_factory.mktemp("stopped")
+    run_dir = tmp / "run"
+    with Background(tmp, "server", dummy_server(run_dir, "--algo.global-steps", "1000000000")) as server:
+        fed, closed = asyncio.run(feed(server.port(), STOPPED_AT, then=lambda: server.proc.send_signal(signal.SIGTERM)))
+        status = server.wait(30)
+    return types.SimpleNamespace(run_dir=run_dir, fed=fed, closed=closed, status=status, out=server.stdout(),
+                                 err=server.stderr())
+
+
+def test_sigterm_writes_a_final_checkpoint_tells_the_clients_and_exits_0(stopped_run):
+    assert stopped_run.status == 0, stopped_run.err
+    assert stopped_run.closed == (1000, "run finished")
+    assert "run finished: global step 351, 3 learns" in stopped_run.out
+    assert checkpoint_steps(stopped_run.run_dir) == [200, 300, 351]
+
+
+def test_the_final_checkpoint_holds_every_counter(stopped_run):
+    payload = torch.load(stopped_run.run_dir / "checkpoints" / "step_000000000351.pt", weights_only=True)
+    assert payload["step"] == 351 and payload["server"] == {"global_step": 351, "policy_version": 3}
+    assert payload["meta"] == {"learns": 3, "saved_at_learn": 3, "frames_since_learn": 51}
+
+
+def test_the_server_binds_loopback_by_default_and_warns_about_nothing(stopped_run):
+    assert "listening on ws://127.0.0.1:" in stopped_run.out
+    assert "warning" not in stopped_run.err
+
+
+def test_resume_continues_the_global_step_learn_cadence_and_save_cadence_exactly(stopped_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(stopped_run.run_dir, run_dir)
+    with Background(tmp_path, "server", dummy_server(run_dir, "--algo.global-steps", "600", "--resume")) as server:
+        fed, closed = asyncio.run(feed(server.port()))
+        status = server.wait(30)
+    assert status == 0 and closed == (1000, "run finished"), server.stderr()
+    assert "resumed from step 351" in server.stdout()
+    assert fed == 600 - 351  # the global step went on from 351
+    resumed = read_metrics(run_dir)[3:]
+    assert [line["step"] for line in resumed] == [400, 500, 600]  # learns on the cadence, not at 451, 551
+    assert [line["train/learns"] for line in resumed] == [4, 5, 6]  # the dummy's counters came back from meta
+    assert [line["server/policy_version"] for line in resumed] == [4, 5, 6]  # and the server's
+    assert checkpoint_steps(run_dir) == [400, 500, 600]  # a save every learn, as before the stop
+
+
+def test_sigint_writes_a_final_checkpoint_tells_the_clients_and_exits_0(tmp_path):
+    run_dir = tmp_path / "run"
+    with Background(tmp_path, "server", dummy_server(run_dir)) as server:
+        fed, closed = asyncio.run(feed(server.port(), 42, then=lambda: server.proc.send_signal(signal.SIGINT)))
+        status = server.wait(30)
+    assert status == 0 and closed == (1000, "run finished"), server.stderr()
+    assert checkpoint_steps(run_dir) == [42]
+
+
+def save_three(run_dir) -> None:
+    policy = small_policy()
+    for learns in (1, 2, 3):
+        save_checkpoint(str(run_dir), Checkpoint(100 * learns, policy.state_dict(), None, {"learns": learns}),
+                        {"global_step": 100 * learns, "policy_version": learns})
+
+
+def test_a_checkpoint_cut_short_by_a_crash_is_skipped_for_the_one_before(tmp_path, capsys):
+    save_three(tmp_path)
+    newest = tmp_path / "checkpoints" / "step_000000000300.pt"
+    newest.write_bytes(newest.read_bytes()[:newest.stat().st_size // 2])
+    checkpoint, server = load_newest_checkpoint(str(tmp_path))
+    assert checkpoint.step == 200 and checkpoint.meta == {"learns": 2}
+    assert server == {"global_step": 200, "policy_version": 2}
+    assert "skipping damaged checkpoint" in capsys.readouterr().err
+
+
+def test_a_save_killed_midway_leaves_the_last_good_checkpoint_the_newest(tmp_path, monkeypatch):
+    save_three(tmp_path)
+
+    def killed_midway(obj, file, *args, **kwargs):
+        file.write(b"PK\x03\x04" + b"\0" * 1000)  # what a process killed mid-write leaves behind
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(str(tmp_path), Checkpoint(400, {}, None, {"learns": 4}), {"global_step": 400})
+    monkeypatch.undo()
+    assert checkpoint_steps(tmp_path) == [100, 200, 300]
+    assert load_newest_checkpoint(str(tmp_path))[0].step == 300
+
+
+def test_resume_with_nothing_to_resume_is_a_one_line_error(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with Background(tmp_path, "server", ["plugrl_min.py", "dummy-policy", "default", "dummy", "default",
+                                         "--port", "0", "--run-dir", str(empty), "--resume"]) as server:
+        status = server.wait(30)
+    assert status != 0 and "listening" not in server.stdout()
+    assert server.stderr().strip().splitlines() == [f"error: nothing to resume in {empty}: "
+                                                    "no loadable checkpoints/step_*.pt"]
+
+
+# =============================================================================================
+# 7. Who may connect: loopback by default; --token / PLUGRL_TOKEN checked at the handshake
+# =============================================================================================
+
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong", "s3cret", "Bearer s3cret2", "Bearer "],
+                         ids=["no token", "wrong token", "no Bearer", "longer token", "empty token"])
+def test_the_server_refuses_at_the_handshake_a_client_without_the_same_token(tmp_path, authorization):
+    async def script(port, server):
+        headers = {"Authorization": authorization} if authorization is not None else None
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            await connect(f"ws://127.0.0.1:{port}", additional_headers=headers, proxy=None, open_timeout=10)
+        return refused.value.response.status_code, len(server.connections)
+
+    _, (code, connections) = serve(Probe(), tmp_path, script, token="s3cret")
+    assert code == 401 and connections == 0
+
+
+def test_the_server_serves_a_client_with_the_token(tmp_path):
+    async def script(port, server):
+        ws = await connect(f"ws://127.0.0.1:{port}", additional_headers={"Authorization": "Bearer s3cret"},
+                           proxy=None, open_timeout=10)
+        client = Client(ws, unpack_message(await asyncio.wait_for(ws.recv(), 10)))
+        reply = await client.step([0], [1])
+        await client.close()
+        return client.metadata["message_type"], reply["message_type"]
+
+    _, kinds = serve(Probe(), tmp_path, script, token="s3cret")
+    assert kinds == ("metadata", "action")
+
+
+class ChildWithEnv(Background):
+    """A Background child with extra environment variables (PLUGRL_TOKEN)."""
+
+    def __init__(self, tmp_path, name, args, **env):
+        self.out_path, self.err_path = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, *args], cwd=HERE, env={**subprocess_env(), **env},
+                                         stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+
+
+def test_env_clients_without_the_servers_token_exit_nonzero_and_with_it_train(tmp_path):
+    port = reserve_port()
+    client_args = env_client_args(port, "--num-episodes", "2", "--connect-timeout", "30")
+    with ChildWithEnv(tmp_path, "server", dummy_server(tmp_path / "run", "--token", "s3cret", port=port)) \
+            as server, ChildWithEnv(tmp_path, "without", client_args) as without, \
+            ChildWithEnv(tmp_path, "flag", [*client_args, "--token", "s3cret"]) as flag, \
+            ChildWithEnv(tmp_path, "environment", client_args, PLUGRL_TOKEN="s3cret") as environment:
+        statuses = [client.wait(60) for client in (without, flag, environment)]
+        server.proc.send_signal(signal.SIGTERM)
+        server.wait(30)
+    assert statuses[0] != 0
+    assert "env-client: the server refused the connection (HTTP 401): wrong or missing --token?" in without.stderr()
+    assert statuses[1:] == [0, 0], flag.stderr() + environment.stderr()
+    assert "finished 2 episodes" in flag.stdout() and "finished 2 episodes" in environment.stdout()
+
+
+def serve_on_a_taken_port(host, tmp_path, capsys, monkeypatch, token=None) -> str:
+    """server_main on a port held by a listening socket: it prints its warnings, then fails to bind.
+
+    Nothing ever listens on the non-loopback address, so the test exposes nothing to the network.
+    """
+    monkeypatch.delenv("PLUGRL_TOKEN", raising=False)
+    if token is not None:
+        monkeypatch.setenv("PLUGRL_TOKEN", token)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(SystemExit, match="cannot listen"):
+            plugrl_min.server_main(["dummy-policy", "default", "dummy", "default", "--host", host,
+                                    "--port", str(taken.getsockname()[1]), "--run-dir", str(tmp_path)])
+    return capsys.readouterr().err
+
+
+def test_binding_a_non_loopback_address_without_a_token_prints_a_warning(tmp_path, capsys, monkeypatch):
+    err = serve_on_a_taken_port("0.0.0.0", tmp_path, capsys, monkeypatch)
+    assert "warning: serving on 0.0.0.0 without --token" in err
+
+
+def test_binding_a_non_loopback_address_with_plugrl_token_prints_no_warning(tmp_path, capsys, monkeypatch):
+    err = serve_on_a_taken_port("0.0.0.0", tmp_path, capsys, monkeypatch, token="s3cret")
+    assert "warning" not in err
