@@ -12,6 +12,7 @@ Every name, hook and rule of the PlugRL "Custom Algorithm" page holds here, with
 import abc
 import argparse
 import asyncio
+import concurrent.futures
 import dataclasses
 import glob
 import hmac
@@ -542,7 +543,8 @@ class Server:
 
     def __init__(self, algo: BaseAlgorithm, run_dir: str, names: tuple[str, str], *,
                  max_message_bytes: int = MAX_MESSAGE_BYTES, feedback_timeout: float = 60.0,
-                 token: str | None = None, global_step: int = 0, policy_version: int = 0):
+                 token: str | None = None, global_step: int = 0, policy_version: int = 0,
+                 learn_threads: int | None = None):
         self.algo, self.run_dir = algo, run_dir
         self.max_message_bytes, self.feedback_timeout, self.token = max_message_bytes, feedback_timeout, token
         self.global_step, self.version = global_step, policy_version
@@ -562,7 +564,10 @@ class Server:
         self.infer_calls, self.inferred_envs, self.frames, self.learns = 0, 0, 0, 0
         self.feedback_log, self.last_log = {}, {}
         self.started = time.perf_counter()
-        self.learn_threads = torch.get_num_threads()
+        self.learn_threads = learn_threads or torch.get_num_threads()
+        # One OS thread for every learn: each thread that runs torch ops keeps its own OpenMP team, and
+        # asyncio.to_thread may hand learns to a second worker (it spawns one when the first is not idle yet).
+        self.learn_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="learn")
 
     # --- the wire side: one task per connection --------------------------------------------
 
@@ -721,7 +726,8 @@ class Server:
     async def learn_once(self) -> None:
         """pre_learn, learn() in a worker thread (the event loop keeps answering), post_learn, new version."""
         self.algo.pre_learn()
-        self.global_step, log = await asyncio.to_thread(self.learn_in_worker)
+        loop = asyncio.get_running_loop()
+        self.global_step, log = await loop.run_in_executor(self.learn_executor, self.learn_in_worker)
         self.learned_at = time.monotonic()  # the feedback clock stood still while learning
         self.algo.post_learn()
         self.version += 1
@@ -776,7 +782,8 @@ class Server:
         for conn in list(self.connections):
             if conn.owed and not conn.closed and max(conn.owed_since, self.learned_at) < limit:
                 conn.closed = True  # once: the task below runs after this pass
-                error = ProtocolError(f"no feedback for {self.feedback_timeout:g} s", "send feedback after every action")
+                error = ProtocolError(f"no feedback for {self.feedback_timeout:g} s",
+                                      "send feedback after every action")
                 task = asyncio.create_task(self.reject(conn, error))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
@@ -808,9 +815,6 @@ class Server:
     async def run(self, host: str, port: int, on_listening=None) -> int:
         """Serve until should_stop() (exit status 0) or an algorithm error (status 1)."""
         self.wake = asyncio.Event()
-        # Inference batches are small: one torch thread answers fastest, and never waits on a
-        # second core that the env clients are using.
-        torch.set_num_threads(1)
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self.request_stop)
@@ -1408,6 +1412,11 @@ def server_main(argv: list[str]) -> int:
     if args.seed is not None:
         torch.manual_seed(args.seed)
         np.random.seed(args.seed)
+    # Inference batches are small: the main thread answers fastest with one torch thread. Only the learn
+    # thread forms a multi-thread OpenMP team, set before anything is built: with more OpenMP threads than
+    # cores, every parallel region of learn waits for a helper thread to wake, about twice as slow.
+    learn_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     policy = make_policy(words[0], policy_config)
     try:
         algo = make_algo(words[2], policy, algo_config)
@@ -1427,13 +1436,15 @@ def server_main(argv: list[str]) -> int:
     with open(os.path.join(run_dir, "config.json"), "w") as file:
         json.dump(resolved, file, indent=2)
     server = Server(algo, run_dir, (words[0], words[2]), max_message_bytes=args.max_message_bytes,
-                    feedback_timeout=args.feedback_timeout, token=args.token, **counters)
+                    feedback_timeout=args.feedback_timeout, token=args.token, learn_threads=learn_threads,
+                    **counters)
     clients = []
 
     def start_local_clients(port):
         for i in range(args.local_env_clients):
-            command = [sys.executable, os.path.abspath(__file__), "env-client", args.local_env, "--server-port",
-                       str(port), "--num-episodes", str(10**9)] + (["--seed", str(args.seed + i)] if args.seed is not None else [])
+            seed = [] if args.seed is None else ["--seed", str(args.seed + i)]
+            command = [sys.executable, os.path.abspath(__file__), "env-client", args.local_env,
+                       "--server-port", str(port), "--num-episodes", str(10**9), *seed]
             clients.append(subprocess.Popen(command, env={**os.environ, "PLUGRL_TOKEN": args.token or ""},
                                             stdout=subprocess.DEVNULL))
 
