@@ -286,9 +286,10 @@ class DummyPolicy(BaseTorchPolicy):
     def sample(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A reparameterized action in (-1, 1) and its log-probability [B] (tanh change of variables)."""
         mean, log_std = self(state)
-        pre_tanh = mean + log_std.exp() * torch.randn_like(mean)
-        action = torch.tanh(pre_tanh)
-        log_prob = torch.distributions.Normal(mean, log_std.exp()).log_prob(pre_tanh)
+        noise = torch.randn_like(mean)
+        action = torch.tanh(mean + log_std.exp() * noise)
+        # The Gaussian's log-density at mean + std·noise, written out, then the tanh change of variables.
+        log_prob = -0.5 * noise.pow(2) - log_std - 0.5 * math.log(2 * math.pi)
         log_prob = log_prob - torch.log(1 - action.pow(2) + 1e-6)
         return action, log_prob.sum(-1)
 
@@ -1093,12 +1094,13 @@ def execute_decision(env: VecEnv, obs: dict, steps: int, physical_action, reward
     n = env.num_envs
     active, executed = np.ones(n, bool), np.zeros(n, np.int64)
     rewards = np.zeros((n, steps), np.float32)
-    seen = [obs]
+    seen, episode = [obs], None
     for t in range(steps):
         obs, rewards[:, t], terminated, truncated, info = env.step(physical_action(t, obs, active), active)
         executed += active
-        episode = info["episode"] if t == 0 else {key: np.where(info["episode"]["mask"], value, episode[key])
-                                                  for key, value in info["episode"].items()}
+        finished = info["episode"]  # keep each environment's episode from the step where it ended
+        episode = finished if episode is None else {key: np.where(finished["mask"], value, episode[key])
+                                                    for key, value in finished.items()}
         active &= ~(terminated | truncated)
         seen.append(obs)
         if not active.any():

@@ -26,7 +26,7 @@ from plugrl_min import BaseAlgoConfig, BaseAlgorithm, Checkpoint, register_algo,
 UID = "sac"  # the name on the command line: python plugrl_min.py dummy-policy default sac default
 
 
-# --- 1. Config: CleanRL's defaults; every field is a flag (--algo.batch-size 128) ----------------------
+# --- 1. Config: CleanRL's defaults; every field is a flag (--algo.batch-size 128) ---------------------------
 
 @register_algo_config(UID)
 @dataclasses.dataclass
@@ -50,12 +50,12 @@ class SACConfig(BaseAlgoConfig):
     log_every: int = 100  # updates between train/* metrics (reading a tensor's value costs; most learns log {})
 
 
-# --- 2. Twin critic: Q1 and Q2 as one batched MLP, so both cost a single forward ------------------------
+# --- 2. Twin critic: Q1 and Q2 as one batched MLP, so both cost a single forward ----------------------------
 
 class TwinQ(nn.Module):
     """Two Q(s, a) MLPs (hidden-hidden-1, ReLU) stacked on a leading axis of size 2.
 
-    Each layer's weight is [2, in, out]; torch.baddbmm multiplies both critics' batches in one call.
+    Each layer's weight is [2, in, out], so one torch.baddbmm runs a hidden layer of both critics at once.
     """
 
     def __init__(self, in_dim: int, hidden: int, copies: int = 2):
@@ -80,7 +80,7 @@ class TwinQ(nn.Module):
         return torch.linalg.vecdot(x, out_weight.transpose(1, 2)) + out_bias.squeeze(-1)
 
 
-# --- 3. Replay buffer: numpy storage written by feedback, read as torch views by learn -----------------
+# --- 3. Replay buffer: numpy storage written by feedback, read as torch views by learn ----------------------
 
 class ReplayBuffer:
     """A ring of (obs, action, reward, next_obs, done) frames; sample() draws a uniform batch of tensors."""
@@ -108,7 +108,7 @@ class ReplayBuffer:
         return [obs, action.flatten(1), reward, next_obs, done]
 
 
-# --- 4. Algorithm: the plugrl_min hooks around CleanRL's update -----------------------------------------
+# --- 4. Algorithm: the plugrl_min hooks around CleanRL's update ---------------------------------------------
 
 @register_algo(UID)
 class SAC(BaseAlgorithm):
@@ -259,7 +259,7 @@ class SAC(BaseAlgorithm):
             self.actor_optimizer.load_state_dict(checkpoint.optimizer["actor"])
 
 
-# --- 5. Benchmark: the learning bar on pendulum-v1, server and client over a real WebSocket -------------
+# --- 5. Benchmark: the learning bar on pendulum-v1, server and client over a real WebSocket -----------------
 
 def run_seed(seed: int, steps: int, folder: str) -> dict:
     """One server and one pendulum-v1 client as subprocesses; returns the client's summary plus timings."""
@@ -323,7 +323,7 @@ def bench(argv: list[str]) -> int:
     return 0 if passed else 1
 
 
-# --- 6. Command line: `python sac_example.py [bench | plugrl_min server arguments]` ----------------------
+# --- 6. Command line: `python sac_example.py [bench | plugrl_min server arguments]` -------------------------
 
 if __name__ == "__main__":
     # plugrl_min.main() imports sac_example: it must find this module, not register "sac" a second time (that raises).

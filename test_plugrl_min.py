@@ -7,6 +7,7 @@ import asyncio
 import collections
 import dataclasses
 import glob
+import io
 import json
 import math
 import os
@@ -31,8 +32,10 @@ from websockets.asyncio.client import connect
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import plugrl_min  # noqa: E402
+import sac_example  # noqa: E402
 from plugrl_min import (Checkpoint, ClosedLoopMultiAction, Controller, MultiAction, ProtocolError,  # noqa: E402
-                        load_newest_checkpoint, make_env, pack_message, save_checkpoint, unpack_message)
+                        load_newest_checkpoint, make_algo, make_env, make_policy, pack_message,
+                        save_checkpoint, unpack_message)
 
 SOURCE = os.path.join(HERE, "plugrl_min.py")
 
@@ -3043,3 +3046,228 @@ def test_binding_a_non_loopback_address_without_a_token_prints_a_warning(tmp_pat
 def test_binding_a_non_loopback_address_with_plugrl_token_prints_no_warning(tmp_path, capsys, monkeypatch):
     err = serve_on_a_taken_port("0.0.0.0", tmp_path, capsys, monkeypatch, token="s3cret")
     assert "warning" not in err
+
+# =============================================================================================
+# sac_example.py: an off-policy learner over the wire
+# =============================================================================================
+
+# --- SAC helpers ------------------------------------------------------------------------------------
+
+# For the servers of small-network runs: when other processes share a 2-core machine, two torch threads wait
+# on each other at every matmul, which makes networks this small 5-10x slower than one thread.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+def start_server(*flags, run_dir, env=None):
+    """A `plugrl_min.py dummy-policy default sac default` server on a free port: (process, port, startup output)."""
+    command = [sys.executable, "plugrl_min.py", "dummy-policy", "default", "sac", "default", "--port", "0",
+               "--run-dir", str(run_dir), *flags]
+    server = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, **(env or {})})
+    seen = []
+    for line in server.stdout:  # the config JSON comes first, then `listening on ws://127.0.0.1:PORT`
+        seen.append(line)
+        if line.startswith("listening on"):
+            return server, line.rsplit(":", 1)[1].strip(), "".join(seen)
+    server.wait()
+    raise AssertionError(f"the server exited with {server.returncode} before listening:\n{''.join(seen)}")
+
+
+def run_client(env_id, port, summary, seed=0):
+    """One env client until the server ends the run; returns its summary JSON."""
+    client = subprocess.run([sys.executable, "plugrl_min.py", "env-client", env_id, "--server-port", port,
+                             "--seed", str(seed), "--num-episodes", "1000000", "--summary-json", str(summary)],
+                            cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert client.returncode == 0, client.stderr
+    with open(summary) as file:
+        return json.load(file)
+
+
+def finish(server):
+    """Wait for the server to exit on its own; returns its remaining output."""
+    output, _ = server.communicate(timeout=120)
+    assert server.returncode == 0, output
+    return output
+
+
+def filled_sac(seed=0, frames=200, **overrides):
+    """A SAC on dummy-policy with `frames` random frames stored and its owed updates done."""
+    torch.manual_seed(seed)
+    config = dataclasses.replace(sac_example.SACConfig(), learning_starts=100, batch_size=32, **overrides)
+    algo = make_algo("sac", make_policy("dummy-policy"), config)
+    algo.init_optimizers()
+    rng = np.random.default_rng(seed)
+    for _ in range(frames):
+        obs = {"state": rng.standard_normal((1, 3), dtype=np.float32)}
+        action, runtime_state = algo.infer(obs)
+        train_state = algo.derive_train_state(runtime_state)
+        algo.feedback(obs={"state": obs["state"][0]}, runtime_state=runtime_state,
+                      train_state={"action": train_state["action"][0]}, terminated=False, truncated=False,
+                      next_obs={"state": rng.standard_normal(3, dtype=np.float32)}, reward=float(rng.standard_normal()),
+                      info={}, next_terminated=False, next_truncated=False, prev_node=(-1, ""))
+        if algo.should_learn():
+            algo.learn()
+    return algo
+
+
+def round_trip(algo):
+    """create_checkpoint, torch.save, torch.load(weights_only=True), load into a fresh SAC of another seed."""
+    buffer = io.BytesIO()
+    torch.save(dataclasses.asdict(algo.create_checkpoint()), buffer)
+    buffer.seek(0)
+    payload = torch.load(buffer, weights_only=True)
+    torch.manual_seed(12345)
+    fresh = make_algo("sac", make_policy("dummy-policy"), algo.config)
+    fresh.init_optimizers()
+    fresh.load_checkpoint(Checkpoint(**payload))
+    return fresh
+
+
+# --- registration and the command line ----------------------------------------------------------
+
+def test_sac_is_registered_and_off_policy():
+    algo = make_algo("sac", make_policy("dummy-policy"))
+    assert isinstance(algo, sac_example.SAC)
+    assert algo.on_policy is False
+
+
+def test_sac_example_script_help_lists_algo_flags():
+    result = subprocess.run([sys.executable, "sac_example.py", "dummy-policy", "default", "sac", "default", "--help"],
+                            cwd=HERE, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "--algo.batch-size" in result.stdout
+    assert "warning" not in result.stderr  # no field shared by the policy and the algorithm config
+
+
+# --- networks and storage -----------------------------------------------------------------------
+
+def test_twin_critic_rows_are_two_independent_mlps():
+    critic = sac_example.TwinQ(4, 32)
+    obs, action = torch.randn(8, 3), torch.randn(8, 1)
+    expected = []
+    for c in range(2):  # each critic alone, layer by layer, from its slice of the stacked weights
+        x = torch.cat([obs, action], dim=-1)
+        for k, (weight, bias) in enumerate(zip(critic.weights, critic.biases)):
+            x = x @ weight[c] + bias[c]
+            x = x.relu() if k < 2 else x
+        expected.append(x.squeeze(-1))
+    q = critic(obs, action)
+    assert q.shape == (2, 8)
+    assert torch.allclose(q, torch.stack(expected), atol=1e-5)
+    assert not torch.allclose(q[0], q[1])  # independently initialised: two critics, not one twice
+
+
+def feed_sac(algo, *, next_terminated=False, next_truncated=False, info=None):
+    """One frame of zeros into algo.feedback."""
+    return algo.feedback(obs={"state": np.zeros(3, np.float32)}, runtime_state=None,
+                         train_state={"action": np.zeros((1, 1), np.float32)}, terminated=False, truncated=False,
+                         next_obs={"state": np.ones(3, np.float32)}, reward=1.5, info=info or {},
+                         next_terminated=next_terminated, next_truncated=next_truncated, prev_node=(-1, ""))
+
+
+def test_termination_stops_bootstrapping_and_truncation_does_not():
+    algo = make_algo("sac", make_policy("dummy-policy"))
+    feed_sac(algo, next_truncated=True)
+    feed_sac(algo, next_terminated=True)
+    assert algo.buffer.done[:2].tolist() == [0.0, 1.0]
+    assert algo.buffer.reward[:2].tolist() == [1.5, 1.5] and algo.buffer.next_obs[1].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_feedback_counts_the_frame_and_records_finished_episodes():
+    algo = make_algo("sac", make_policy("dummy-policy"))
+    episode = {"r": np.float32(-7.0), "l": np.int64(50), "s": np.bool_(False), "mask": np.bool_(True)}
+    assert feed_sac(algo, next_truncated=True, info={"episode": episode}) == ((-1, ""), 1, {})
+    _, log = algo.build_train_info(algo.global_step, {})
+    assert log["rollout/episodes"] == 1 and log["rollout/reward"] == -7.0
+
+
+# --- the schedule -------------------------------------------------------------------------------
+
+def test_infer_gives_uniform_random_actions_before_learning_starts():
+    algo = make_algo("sac", make_policy("dummy-policy"))
+    action, runtime_state = algo.infer({"state": np.zeros((4000, 3), np.float32)})
+    assert action.shape == (4000, 1, 1) and action.dtype == np.float32
+    assert np.array_equal(runtime_state["action"], action)
+    assert action.min() >= -1 and action.max() <= 1
+    assert abs(action.mean()) < 0.05 and action.std() > 0.5  # uniform on [-1, 1] has std 0.58; the policy's is ~0
+
+
+def test_learn_catches_up_one_update_per_frame_and_then_stops_learning():
+    algo = filled_sac(frames=100)  # exactly learning_starts: nothing owed yet
+    assert not algo.should_learn()
+    for _ in range(40):  # 40 frames at once, as from 40 environments
+        feed_sac(algo)
+    assert algo.should_learn()
+    algo.learn()
+    assert algo.updates == 40
+    assert not algo.should_learn()
+
+
+def test_learn_with_a_buffer_smaller_than_a_batch_skips_updates_without_spinning():
+    algo = filled_sac(frames=0)
+    algo.global_step = 1000  # as after --resume: counters restored, buffer empty
+    algo.updates = 690
+    before = [p.detach().clone() for p in algo.critic.parameters()]
+    algo.learn()
+    assert not algo.should_learn()
+    assert all(torch.equal(a, b) for a, b in zip(before, algo.critic.parameters()))
+
+
+def test_should_save_turns_false_once_create_checkpoint_has_run():
+    algo = filled_sac(frames=200, save_every=100)
+    assert algo.should_save()
+    algo.create_checkpoint()
+    assert not algo.should_save()
+
+
+# --- checkpoints --------------------------------------------------------------------------------
+
+def test_checkpoint_round_trip_restores_every_counter():
+    algo = filled_sac(frames=200, save_every=100)
+    fresh = round_trip(algo)
+    assert (fresh.global_step, fresh.updates, fresh.saved_at) == (200, 100, 100)
+    assert fresh.should_learn() == algo.should_learn() and fresh.should_save() == algo.should_save()
+
+
+def test_checkpoint_round_trip_restores_networks_optimizers_and_alpha():
+    algo = filled_sac(frames=200)
+    fresh = round_trip(algo)
+    for mine, theirs in ((algo.policy, fresh.policy), (algo.critic, fresh.critic),
+                         (algo.critic_target, fresh.critic_target)):
+        for (name, a), (_, b) in zip(mine.state_dict().items(), theirs.state_dict().items()):
+            assert torch.equal(a, b), name
+    assert torch.equal(algo.log_alpha, fresh.log_alpha)
+    for name in ("q_optimizer", "actor_optimizer"):
+        a, b = getattr(algo, name).state_dict()["state"], getattr(fresh, name).state_dict()["state"]
+        assert a.keys() == b.keys() and len(a) > 0
+        assert all(torch.equal(a[k]["exp_avg"], b[k]["exp_avg"]) for k in a), name
+
+
+def test_resume_continues_the_update_schedule_over_the_wire(tmp_path):
+    flags = ["--seed", "0", "--algo.learning-starts", "100", "--algo.batch-size", "32", "--algo.q-hidden-size", "32",
+             "--policy.hidden-size", "32"]
+    server, port, _ = start_server(*flags, "--algo.global-steps", "300", run_dir=tmp_path / "run", env=ONE_THREAD)
+    run_client("dummy-v1", port, tmp_path / "a.json")
+    finish(server)
+    server, port, startup = start_server(*flags, "--algo.global-steps", "400", "--resume", run_dir=tmp_path / "run",
+                                         env=ONE_THREAD)
+    run_client("dummy-v1", port, tmp_path / "b.json")
+    finish(server)
+    assert "resumed from step 300" in startup
+    payload = torch.load(tmp_path / "run" / "checkpoints" / "step_000000000400.pt", weights_only=True)
+    assert payload["meta"]["updates"] == 400 - 100  # one update slot per frame past learning_starts, both runs
+
+
+# --- learning -----------------------------------------------------------------------------------
+
+def test_sac_learns_dummy_v1_far_better_than_random(tmp_path):
+    # A random policy scores about -25 on dummy-v1, a good one about -3 to -8. Small networks and batches
+    # keep this to seconds.
+    small = ["--algo.batch-size", "64", "--algo.q-hidden-size", "64", "--policy.hidden-size", "64"]
+    server, port, _ = start_server("--seed", "1", "--algo.learning-starts", "500", "--algo.global-steps", "3000",
+                                   *small, run_dir=tmp_path / "run", env=ONE_THREAD)
+    summary = run_client("dummy-v1", port, tmp_path / "summary.json", seed=1)
+    finish(server)
+    returns = summary["returns"]
+    assert len(returns) >= 30
+    assert np.mean(returns[-20:]) > -12, returns[-20:]
