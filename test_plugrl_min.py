@@ -195,13 +195,13 @@ async def eventually(condition, timeout=10.0) -> None:
         await asyncio.sleep(0.02)
 
 
-def run_server(algo, run_dir, script, timeout=30.0):
+def run_server(algo, run_dir, script, *, timeout=60.0, **options):
     """Serve algo in-process on a free port while `await script(port, server)` drives clients.
 
     Then request a stop (if the run has not ended by itself); returns (run()'s status, the script's result).
     """
     async def main():
-        server = plugrl_min.Server(algo, str(run_dir), ("dummy-policy", "probe"))
+        server = plugrl_min.Server(algo, str(run_dir), ("dummy-policy", "probe"), **options)
         ports = asyncio.Queue()
         task = asyncio.create_task(server.run("127.0.0.1", 0, on_listening=ports.put_nowait))
         port = await asyncio.wait_for(ports.get(), 10)
@@ -209,7 +209,7 @@ def run_server(algo, run_dir, script, timeout=30.0):
             result = await asyncio.wait_for(script(port, server), timeout)
         finally:
             server.request_stop()
-            status = await asyncio.wait_for(task, 10)
+            status = await asyncio.wait_for(task, 15)
         return status, result
 
     return asyncio.run(main())
@@ -1942,26 +1942,6 @@ def test_wire_stack_rewards_reach_the_server(tmp_path):
 # Hardening: helpers
 # =============================================================================================
 
-def serve(algo, run_dir, script, *, timeout=60.0, **options):
-    """Serve algo in-process (Server(**options)) while `await script(port, server)` drives clients.
-
-    Then request a stop (if the run has not ended by itself); returns (run()'s status, the script's result).
-    """
-    async def main():
-        server = plugrl_min.Server(algo, str(run_dir), ("dummy-policy", "probe"), **options)
-        ports = asyncio.Queue()
-        task = asyncio.create_task(server.run("127.0.0.1", 0, on_listening=ports.put_nowait))
-        listening = await asyncio.wait_for(ports.get(), 10)
-        try:
-            result = await asyncio.wait_for(script(listening, server), timeout)
-        finally:
-            server.request_stop()
-            status = await asyncio.wait_for(task, 15)
-        return status, result
-
-    return asyncio.run(main())
-
-
 def infer_message(env_ids=(0,), tag=7.0) -> dict:
     return {"message_type": "infer", "env_indices": np.array(env_ids, np.int64), "obs": obs_of([tag] * len(env_ids))}
 
@@ -2347,7 +2327,7 @@ def test_fuzz_every_kind_of_malformed_frame_gets_an_error_and_a_close_while_a_go
             await still_serving.close()
         return fed, closed_by_server
 
-    status, (fed, closed_by_server) = serve(algo, tmp_path, script, max_message_bytes=FUZZ_MAX_BYTES)
+    status, (fed, closed_by_server) = run_server(algo, tmp_path, script, max_message_bytes=FUZZ_MAX_BYTES)
     table = format_table(tried, examples, fed)
     print("\n" + table)  # shown with pytest -s: the malformed frames tried, by kind, and what each produced
     tags = collections.Counter(float(frame["runtime_state"]["tag"]) for frame in algo.frames)
@@ -2375,7 +2355,7 @@ def test_feedback_with_a_malformed_info_episode_gets_an_error_and_the_server_kee
         await good.close()
         return outcome
 
-    status, outcome = serve(algo, tmp_path, script)
+    status, outcome = run_server(algo, tmp_path, script)
     assert outcome == "error, close 1008" and status == 0
     assert [float(frame["runtime_state"]["tag"]) for frame in algo.frames] == [1.0]
 
@@ -2442,7 +2422,7 @@ def test_a_frame_over_max_message_bytes_closes_that_connection_with_1009_and_the
         await good.close()
         return outcome
 
-    status, outcome = serve(algo, tmp_path, script, max_message_bytes=64 * 1024)
+    status, outcome = run_server(algo, tmp_path, script, max_message_bytes=64 * 1024)
     assert outcome == "no error, close 1009" and status == 0
 
 
@@ -2453,7 +2433,7 @@ def test_the_default_max_message_bytes_is_16_mib(tmp_path):
         await over.ws.send(b"\0" * (2**24 + 1))  # refused for its size: 1009
         return await outcome_of(at_limit.ws), await outcome_of(over.ws)
 
-    _, outcomes = serve(Probe(), tmp_path, script)
+    _, outcomes = run_server(Probe(), tmp_path, script)
     assert outcomes == ("error, close 1008", "no error, close 1009")
 
 
@@ -2549,7 +2529,7 @@ def test_clients_that_disconnect_at_every_point_lose_and_duplicate_nothing(tmp_p
         done.set()
         return await good
 
-    status, (good_fed, reason) = serve(algo, tmp_path, script)
+    status, (good_fed, reason) = run_server(algo, tmp_path, script)
     stored = collections.Counter(float(frame["runtime_state"]["tag"]) for frame in algo.frames)
     assert status == 0 and reason == "run finished"
     assert algo.global_step == len(algo.frames) == n
@@ -2583,7 +2563,7 @@ def test_a_feedback_sent_just_before_leaving_is_stored_even_when_the_server_read
         await learner.infer([0], [1])  # one more pass of the server loop
         await learner.close()
 
-    serve(algo, tmp_path, script)
+    run_server(algo, tmp_path, script)
     assert sorted(float(frame["runtime_state"]["tag"]) for frame in algo.frames) == [1.0, 2.0]
 
 
@@ -2614,7 +2594,7 @@ def test_a_client_silent_after_an_action_is_dropped_after_the_feedback_timeout_a
         await good.close()
         return error["message_type"], dropped_after, closed[0], steps, good_open
 
-    _, (kind, dropped_after, code, steps, good_open) = serve(algo, tmp_path, script, feedback_timeout=0.5)
+    _, (kind, dropped_after, code, steps, good_open) = run_server(algo, tmp_path, script, feedback_timeout=0.5)
     assert kind == "error" and code == 1008
     assert 0.5 <= dropped_after < 3.0
     assert good_open and steps > 0 and len(algo.frames) == steps
@@ -2626,7 +2606,7 @@ def test_a_silent_clients_error_message_says_what_happened(tmp_path):
         await silent.infer([0], [BAD_TAG])
         return await silent.receive()
 
-    _, error = serve(Probe(), tmp_path, script, feedback_timeout=0.3)
+    _, error = run_server(Probe(), tmp_path, script, feedback_timeout=0.3)
     assert error["message_type"] == "error" and error["message"] == "no feedback for 0.3 s" and error["hint"]
 
 
@@ -2651,7 +2631,7 @@ def test_a_client_that_owes_feedback_while_the_server_learns_longer_than_the_tim
         await owing.close()
         return again
 
-    _, again = serve(algo, tmp_path, script, feedback_timeout=0.5)
+    _, again = run_server(algo, tmp_path, script, feedback_timeout=0.5)
     assert again["message_type"] == "action" and algo.learns == 1
     assert sorted(float(frame["runtime_state"]["tag"]) for frame in algo.frames) == [1.0, 2.0, 2.0]
 
@@ -2762,7 +2742,7 @@ async def two_clients_until_closed(port, server):
 
 @pytest.mark.parametrize("hook", ["infer", "feedback", "learn_impl", "create_checkpoint"])
 def test_an_exception_in_a_hook_tells_every_client_the_server_failed_and_run_returns_1(tmp_path, capsys, hook):
-    status, closes = serve(Faulty(hook), tmp_path, two_clients_until_closed)
+    status, closes = run_server(Faulty(hook), tmp_path, two_clients_until_closed)
     assert status == 1
     assert closes == ((1011, "server failed: RuntimeError"), (1011, "server failed: RuntimeError"))
     log = capsys.readouterr().err
@@ -2771,7 +2751,7 @@ def test_an_exception_in_a_hook_tells_every_client_the_server_failed_and_run_ret
 
 @pytest.mark.parametrize("hook", ["infer", "feedback", "learn_impl", "create_checkpoint"])
 def test_an_exception_in_a_hook_writes_no_checkpoint(tmp_path, hook):
-    serve(Faulty(hook), tmp_path, two_clients_until_closed)
+    run_server(Faulty(hook), tmp_path, two_clients_until_closed)
     assert checkpoint_steps(tmp_path) == []
 
 
@@ -2794,7 +2774,7 @@ def test_a_checkpoint_that_cannot_load_with_weights_only_fails_the_run_instead_o
             pass
         return client.ws.close_reason
 
-    status, reason = serve(SavesNumpyInMeta(fault=None), tmp_path, one_decision)
+    status, reason = run_server(SavesNumpyInMeta(fault=None), tmp_path, one_decision)
     assert status == 1 and reason.startswith("server failed")
     assert checkpoint_steps(tmp_path) == []
 
@@ -2978,7 +2958,7 @@ def test_the_server_refuses_at_the_handshake_a_client_without_the_same_token(tmp
             await connect(f"ws://127.0.0.1:{port}", additional_headers=headers, proxy=None, open_timeout=10)
         return refused.value.response.status_code, len(server.connections)
 
-    _, (code, connections) = serve(Probe(), tmp_path, script, token="s3cret")
+    _, (code, connections) = run_server(Probe(), tmp_path, script, token="s3cret")
     assert code == 401 and connections == 0
 
 
@@ -2991,7 +2971,7 @@ def test_the_server_serves_a_client_with_the_token(tmp_path):
         await client.close()
         return client.metadata["message_type"], reply["message_type"]
 
-    _, kinds = serve(Probe(), tmp_path, script, token="s3cret")
+    _, kinds = run_server(Probe(), tmp_path, script, token="s3cret")
     assert kinds == ("metadata", "action")
 
 
