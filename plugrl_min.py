@@ -564,7 +564,7 @@ class Server:
         self.tasks = set()  # background tasks (asyncio keeps only weak references to them)
         self.infer_calls, self.inferred_envs, self.frames, self.learns = 0, 0, 0, 0
         self.feedback_log, self.last_log = {}, {}
-        self.started = time.perf_counter()
+        self.started = self.shown_at = time.perf_counter()
         self.learn_threads = learn_threads or torch.get_num_threads()
         # One OS thread for every learn: each thread that runs torch ops keeps its own OpenMP team, and
         # asyncio.to_thread may hand learns to a second worker (it spawns one when the first is not idle yet).
@@ -793,7 +793,7 @@ class Server:
         """One progress line, refreshed in place on a terminal, plain periodic lines otherwise."""
         now = time.perf_counter()
         tty = sys.stdout.isatty()
-        if now - getattr(self, "shown_at", 0.0) < (every if tty else 10 * every):
+        if now - self.shown_at < (every if tty else 10 * every):
             return
         self.shown_at = now
         line = (f"step {self.global_step}/{self.algo.config.global_steps} | "
