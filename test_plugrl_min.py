@@ -3251,3 +3251,9 @@ def test_sac_learns_dummy_v1_far_better_than_random(tmp_path):
     returns = summary["returns"]
     assert len(returns) >= 30
     assert np.mean(returns[-20:]) > -12, returns[-20:]
+
+
+def test_gym_environment_without_gymnasium_says_which_package_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gymnasium", None)  # as if it were not installed: its import fails
+    with pytest.raises(SystemExit, match="pip install gymnasium"):
+        make_env("gym:Pendulum-v1", 1)
