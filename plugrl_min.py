@@ -530,11 +530,6 @@ def load_newest_checkpoint(run_dir: str) -> tuple[Checkpoint, dict]:
     raise FileNotFoundError(f"nothing to resume in {run_dir}: no loadable checkpoints/step_*.pt")
 
 
-def _plain(value):
-    """A metric as a JSON number (tensors and numpy scalars included)."""
-    return value.item() if hasattr(value, "item") else value
-
-
 class Server:
     """One run: the algorithm behind a WebSocket endpoint, writing to its run directory.
 
@@ -625,7 +620,7 @@ class Server:
             raise ProtocolError("env_indices must be distinct and non-negative", "send each environment once")
         obs = self.check_obs(message.get("obs"), len(env_ids))
         if kind == "infer":
-            slots = [conn.slots.setdefault(i, EnvSlot()) for i in env_ids]
+            slots = [conn.slots[i] if i in conn.slots else conn.slots.setdefault(i, EnvSlot()) for i in env_ids]
             if any(slot.waiting or slot.step for slot in slots):
                 raise ProtocolError("infer for an environment that owes feedback for its last action",
                                     "send feedback after every action, before the next infer")
@@ -739,8 +734,8 @@ class Server:
         self.feedback_log = {}
         if log.get("rollout/episodes", 1):  # keep the last learn that saw episodes for the progress line
             self.last_log = log
-        self.metrics.write(json.dumps({"step": self.global_step, "time": round(elapsed, 3),
-                                       **{key: _plain(value) for key, value in log.items()}}) + "\n")
+        plain = {key: value.item() if hasattr(value, "item") else value for key, value in log.items()}  # tensors too
+        self.metrics.write(json.dumps({"step": self.global_step, "time": round(elapsed, 3), **plain}) + "\n")
 
     def learn_in_worker(self) -> tuple[int, dict]:
         """learn() with all of torch's threads: its batches are large (torch's thread count is per OS thread)."""
@@ -1120,9 +1115,9 @@ def execute_decision(env: VecEnv, obs: dict, steps: int, physical_action, reward
     return obs, reward, terminated, truncated, {"episode": episode, "executed_steps": executed}
 
 
-def _check_choice(steps, reward_aggregation):
+def _check_choice(steps, reward_aggregation, name="steps"):
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
-        raise ValueError(f"steps must be an integer of at least 1, got {steps!r}")
+        raise ValueError(f"{name} must be an integer of at least 1, got {steps!r}")
     if reward_aggregation not in REWARD_AGGREGATIONS:
         raise ValueError(f"reward_aggregation must be one of {', '.join(REWARD_AGGREGATIONS)}, "
                          f"got {reward_aggregation!r}")
@@ -1132,7 +1127,7 @@ class MultiAction:
     """Open loop: an action chunk [n, H, action_dim] executed step by step, up to replan_steps."""
 
     def __init__(self, env: VecEnv, replan_steps: int | None = None, reward_aggregation: str = "sum"):
-        _check_choice(1 if replan_steps is None else replan_steps, reward_aggregation)
+        _check_choice(1 if replan_steps is None else replan_steps, reward_aggregation, "replan_steps")
         self.env, self.replan_steps, self.reward_aggregation = env, replan_steps, reward_aggregation
         self.obs = None
 
