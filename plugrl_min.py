@@ -1190,14 +1190,6 @@ class ClosedLoopMultiAction:
 
 # --- The rollout loop ------------------------------------------------------------------------
 
-class ClientExit(Exception):
-    """Ends the env client with a message and an exit status."""
-
-    def __init__(self, message: str, status: int = 1):
-        super().__init__(message)
-        self.status = status
-
-
 async def _connect(args):
     """Connect to the server, retrying with backoff for --connect-timeout seconds."""
     uri = f"ws://{args.server_host}:{args.server_port}"
@@ -1208,11 +1200,11 @@ async def _connect(args):
             return await connect(uri, additional_headers=headers, max_size=args.max_message_bytes,
                                  compression=None, proxy=None)
         except websockets.InvalidStatus as error:
-            raise ClientExit(f"the server refused the connection (HTTP {error.response.status_code}): "
+            raise SystemExit(f"the server refused the connection (HTTP {error.response.status_code}): "
                              "wrong or missing --token?") from None
         except (OSError, asyncio.TimeoutError, websockets.InvalidHandshake) as error:
             if time.monotonic() > deadline:
-                raise ClientExit(f"no server at {uri} after {args.connect_timeout:g} s ({error})") from None
+                raise SystemExit(f"no server at {uri} after {args.connect_timeout:g} s ({error})") from None
             await asyncio.sleep(delay)
             delay = min(2 * delay, 1.0)
 
@@ -1220,7 +1212,7 @@ async def _connect(args):
 def _check_metadata(meta: dict, env: VecEnv, decision_dim: int, closed_loop: bool) -> None:
     """Stop with a clear message when the server's policy does not fit this environment."""
     if meta.get("message_type") != "metadata" or meta.get("protocol_version") != PROTOCOL_VERSION:
-        raise ClientExit(f"the server speaks protocol {meta.get('protocol_version')}, this client {PROTOCOL_VERSION}")
+        raise SystemExit(f"the server speaks protocol {meta.get('protocol_version')}, this client {PROTOCOL_VERSION}")
     mine = {key: {"shape": list(shape), "dtype": np.dtype(dtype).name} for key, (shape, dtype) in env.obs_spec.items()}
     problems = []
     if meta["obs_spec"] != mine:
@@ -1230,7 +1222,7 @@ def _check_metadata(meta: dict, env: VecEnv, decision_dim: int, closed_loop: boo
     if closed_loop and meta["action_horizon"] != 1:
         problems.append(f"a closed loop takes one decision, the policy sends {meta['action_horizon']}")
     if problems:
-        raise ClientExit("the server's policy does not fit this environment: " + "; ".join(problems)
+        raise SystemExit("the server's policy does not fit this environment: " + "; ".join(problems)
                          + " (set --policy.obs-dim / --policy.action-dim on the server)")
 
 
@@ -1243,7 +1235,7 @@ async def _run_episodes(ws, executor, closed_loop: bool, decision_dim: int, num_
         await ws.send(pack_message({"message_type": "infer", "env_indices": indices, "obs": executor.obs}))
         reply = unpack_message(await ws.recv())
         if reply.get("message_type") == "error":
-            raise ClientExit(f"the server refused a message: {reply['message']} (hint: {reply['hint']})")
+            raise SystemExit(f"the server refused a message: {reply['message']} (hint: {reply['hint']})")
         action = reply["action"][:, 0] if closed_loop else reply["action"]
         obs, reward, terminated, truncated, info = executor.step(action)
         done = terminated | truncated
@@ -1286,7 +1278,7 @@ async def run_env_client(args) -> int:
                 ending = "the server ended the run"
                 break
             if reason.startswith(SERVER_FAILED):
-                raise ClientExit(f"the server failed ({reason}); see its log") from None
+                raise SystemExit(f"the server failed ({reason}); see its log") from None
             # Any other loss: the server restarted or the network blinked. The decision in flight is
             # dropped (the new server never gave its action) and the environments carry on.
             print(f"lost the server ({closed}); reconnecting", file=sys.stderr)
@@ -1480,9 +1472,9 @@ def env_client_main(argv: list[str]) -> int:
         parser.error("--num-envs and --num-episodes must be at least 1")
     try:
         return asyncio.run(run_env_client(args))
-    except (ClientExit, ValueError) as error:
+    except (SystemExit, ValueError) as error:  # SystemExit: the client's own clear stop, with its reason
         print(f"env-client: {error}", file=sys.stderr)
-        return getattr(error, "status", 2)
+        return 1 if isinstance(error, SystemExit) else 2
     except KeyboardInterrupt:
         return 130
 
