@@ -560,10 +560,11 @@ class Server:
         self.infer_calls, self.inferred_envs, self.frames, self.learns = 0, 0, 0, 0
         self.feedback_log, self.last_log = {}, {}
         self.started = self.shown_at = time.perf_counter()
-        self.learn_threads = learn_threads or torch.get_num_threads()
-        # One OS thread for every learn: each thread that runs torch ops keeps its own OpenMP team, and
-        # asyncio.to_thread may hand learns to a second worker (it spawns one when the first is not idle yet).
-        self.learn_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="learn")
+        # Every learn() runs in this one OS thread, with all of torch's threads (its batches are large). Not
+        # asyncio.to_thread: torch's thread count and OpenMP team are per OS thread, and it may switch workers.
+        self.learn_executor = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="learn", initializer=torch.set_num_threads,
+            initargs=(learn_threads or torch.get_num_threads(),))
 
     # --- the wire side: one task per connection --------------------------------------------
 
@@ -702,11 +703,9 @@ class Server:
         for j, ((batch, row), slot) in enumerate(zip(steps, slots)):
             obs, runtime_state, train_state, version = batch
             env_info = slice_rows(info, j)
-            if self.algo.on_policy:  # stored only if its action came from the current policy
-                stored = version == self.version and not self.algo.should_learn()
-            else:  # a replay-buffer learner gets every frame that has a step state
-                stored = True
-            if stored:
+            # A replay-buffer learner (not on_policy) stores every frame that has a step state; an on-policy
+            # one only frames whose action came from the current policy, while no learn is due.
+            if not self.algo.on_policy or (version == self.version and not self.algo.should_learn()):
                 slot.prev_node, self.global_step, log = self.algo.feedback(
                     obs=slice_rows(obs, row), runtime_state=slice_rows(runtime_state, row),
                     train_state=slice_rows(train_state, row), terminated=slot.terminated,
@@ -722,8 +721,7 @@ class Server:
     async def learn_once(self) -> None:
         """pre_learn, learn() in a worker thread (the event loop keeps answering), post_learn, new version."""
         self.algo.pre_learn()
-        loop = asyncio.get_running_loop()
-        self.global_step, log = await loop.run_in_executor(self.learn_executor, self.learn_in_worker)
+        self.global_step, log = await asyncio.get_running_loop().run_in_executor(self.learn_executor, self.algo.learn)
         self.learned_at = time.monotonic()  # the feedback clock stood still while learning
         self.algo.post_learn()
         self.version += 1
@@ -736,11 +734,6 @@ class Server:
             self.last_log = log
         plain = {key: value.item() if hasattr(value, "item") else value for key, value in log.items()}  # tensors too
         self.metrics.write(json.dumps({"step": self.global_step, "time": round(elapsed, 3), **plain}) + "\n")
-
-    def learn_in_worker(self) -> tuple[int, dict]:
-        """learn() with all of torch's threads: its batches are large (torch's thread count is per OS thread)."""
-        torch.set_num_threads(self.learn_threads)
-        return self.algo.learn()
 
     async def infer_waiting(self) -> None:
         """One infer() for every waiting client: concatenate, infer, derive_train_state, split, send."""
@@ -773,7 +766,7 @@ class Server:
                 pass
 
     def drop_silent_clients(self) -> None:
-        """A client that owes feedback for --feedback-timeout seconds is dropped; time spent learning is not counted."""
+        """A client that owes feedback for --feedback-timeout seconds is dropped; time spent learning does not count."""
         limit = time.monotonic() - self.feedback_timeout
         for conn in list(self.connections):
             if conn.owed and not conn.closed and max(conn.owed_since, self.learned_at) < limit:
