@@ -841,10 +841,7 @@ def _leaves(tree):
 class VecEnv:
     """num_envs environments stepped together in numpy; every built-in environment is one.
 
-    reset(indices=None) -> obs resets all or only those environments; step(action, active=None) steps
-    the active ones: an inactive environment does not move (same observation, reward 0, flags unchanged).
-    Observations are {"state": float32 [num_envs, obs_dim]}; finished episodes appear in
-    info["episode"] (r, l, s, mask), counted in physical steps. Subclasses write _reset, _step, _observe.
+    Subclasses write _reset(rows), _step(action, rows) -> (reward, terminated, success) and _observe().
     """
 
     obs_dim, action_dim, max_steps = 3, 1, 10**9
@@ -864,7 +861,10 @@ class VecEnv:
         return {"state": self._observe()}
 
     def step(self, action, active=None) -> tuple:
-        """One physical step of the active environments; returns (obs, reward, terminated, truncated, info)."""
+        """One physical step of the active environments; the others stand still (same obs, reward 0, same flags).
+
+        Returns (obs, reward, terminated, truncated, info); info["episode"] (r, l, s, mask) holds finished episodes.
+        """
         active = np.ones(self.num_envs, bool) if active is None else np.asarray(active, bool)
         rows = np.flatnonzero(active)
         reward = np.zeros(self.num_envs, np.float32)
