@@ -1202,10 +1202,12 @@ async def _connect(args):
             delay = min(2 * delay, 1.0)
 
 
-def _check_metadata(meta: dict, env: VecEnv, decision_dim: int, closed_loop: bool) -> None:
+def _check_metadata(meta: dict, executor, closed_loop: bool) -> None:
     """Stop with a clear message when the server's policy does not fit this environment."""
     if meta.get("message_type") != "metadata" or meta.get("protocol_version") != PROTOCOL_VERSION:
         raise SystemExit(f"the server speaks protocol {meta.get('protocol_version')}, this client {PROTOCOL_VERSION}")
+    env = executor.env
+    decision_dim = executor.controller.decision_dim if closed_loop else env.action_dim
     mine = {key: {"shape": list(shape), "dtype": np.dtype(dtype).name} for key, (shape, dtype) in env.obs_spec.items()}
     problems = []
     if meta["obs_spec"] != mine:
@@ -1219,12 +1221,12 @@ def _check_metadata(meta: dict, env: VecEnv, decision_dim: int, closed_loop: boo
                          + " (set --policy.obs-dim / --policy.action-dim on the server)")
 
 
-async def _run_episodes(ws, executor, closed_loop: bool, decision_dim: int, num_episodes: int, tally: dict):
+async def _run_episodes(ws, executor, num_episodes: int, tally: dict):
     """Infer, execute, feed back, reset finished environments, until num_episodes have finished."""
-    env = executor.env
-    _check_metadata(unpack_message(await ws.recv()), env, decision_dim, closed_loop)
+    env, closed_loop = executor.env, isinstance(executor, ClosedLoopMultiAction)
+    _check_metadata(unpack_message(await ws.recv()), executor, closed_loop)
     indices = np.arange(env.num_envs, dtype=np.int64)
-    while tally["episodes"] < num_episodes:
+    while len(tally["returns"]) < num_episodes:
         await ws.send(pack_message({"message_type": "infer", "env_indices": indices, "obs": executor.obs}))
         reply = unpack_message(await ws.recv())
         if reply.get("message_type") == "error":
@@ -1236,7 +1238,6 @@ async def _run_episodes(ws, executor, closed_loop: bool, decision_dim: int, num_
             executor.reset(np.flatnonzero(done))
         episode = info["episode"]
         tally["returns"] += episode["r"][episode["mask"]].tolist()
-        tally["episodes"] = len(tally["returns"])
         tally["env_steps"] += int(info["executed_steps"].sum())
         tally["decisions"] += env.num_envs
         info = {"episode": episode} if episode["mask"].any() else {}  # only finished episodes travel
@@ -1247,23 +1248,21 @@ async def _run_episodes(ws, executor, closed_loop: bool, decision_dim: int, num_
 async def run_env_client(args) -> int:
     """The env client: connect (and reconnect), run episodes, print and write the summary."""
     env = make_env(args.env_id, args.num_envs, args.seed)
-    closed_loop = args.closed_loop_steps is not None
-    if closed_loop:
-        controller = make_controller(args.controller, env)
-        executor = ClosedLoopMultiAction(env, controller, args.closed_loop_steps, args.reward_aggregation)
-        decision_dim = controller.decision_dim
+    if args.closed_loop_steps is None:
+        executor = MultiAction(env, reward_aggregation=args.reward_aggregation)
     else:
-        executor, decision_dim = MultiAction(env, reward_aggregation=args.reward_aggregation), env.action_dim
+        executor = ClosedLoopMultiAction(env, make_controller(args.controller, env), args.closed_loop_steps,
+                                         args.reward_aggregation)
     executor.reset()
-    tally = {"episodes": 0, "returns": [], "env_steps": 0, "decisions": 0}
+    tally = {"returns": [], "env_steps": 0, "decisions": 0}
     start = None
     while True:
         ws = await _connect(args)
         start = start or time.perf_counter()
         try:
             async with ws:
-                await _run_episodes(ws, executor, closed_loop, decision_dim, args.num_episodes, tally)
-            ending = f"finished {tally['episodes']} episodes"
+                await _run_episodes(ws, executor, args.num_episodes, tally)
+            ending = f"finished {len(tally['returns'])} episodes"
             break
         except websockets.ConnectionClosed as closed:
             reason = closed.rcvd.reason if closed.rcvd else ""
@@ -1277,7 +1276,7 @@ async def run_env_client(args) -> int:
             print(f"lost the server ({closed}); reconnecting", file=sys.stderr)
     seconds = time.perf_counter() - start
     returns = tally.pop("returns")
-    summary = {**tally, "mean_return": float(np.mean(returns)) if returns else float("nan"),
+    summary = {"episodes": len(returns), **tally, "mean_return": float(np.mean(returns)) if returns else float("nan"),
                "seconds": seconds, "returns": returns}
     print(f"{ending}: {summary['episodes']} episodes, mean return {summary['mean_return']:.2f}, "
           f"{summary['env_steps']} env steps, {summary['decisions']} decisions, {seconds:.1f} s, "
