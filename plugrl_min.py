@@ -1339,8 +1339,8 @@ USAGE = """usage: python plugrl_min.py POLICY VARIANT ALGO VARIANT [--algo.FIELD
        add --help after POLICY VARIANT, or after all four, to see more; --plugin MODULE imports a plug-in first"""
 
 
-def server_main(argv: list[str]) -> int:
-    """Parse the server command line, build policy and algorithm, optionally resume, and serve."""
+def _server_args(argv: list[str]) -> tuple:
+    """The four words, their configs (--policy.* and --algo.* applied) and the server flags; --help exits."""
     words = []
     for word in argv[:4]:
         if word.startswith("-"):
@@ -1349,12 +1349,12 @@ def server_main(argv: list[str]) -> int:
     if len(words) < 2:
         print(f"{USAGE}\n\npolicies: {_registered(_POLICY_CONFIGS)}\nalgorithms: {_registered(_ALGO_CONFIGS)}\n"
               f"environments (env-client): {', '.join(ENVIRONMENTS)}, gym:ENV_ID")
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+        raise SystemExit(0 if argv[:1] in (["-h"], ["--help"]) else 2)
     policy_config = _choose(_POLICY_CONFIGS, "policy", *words[:2])
     if len(words) < 4:
         print(f"usage: python plugrl_min.py {words[0]} {words[1]} ALGO VARIANT [flags]\n\n"
               f"algorithms: {_registered(_ALGO_CONFIGS)}")
-        return 0 if {"-h", "--help"} & set(argv) else 2
+        raise SystemExit(0 if {"-h", "--help"} & set(argv) else 2)
     algo_config = _choose(_ALGO_CONFIGS, "algorithm", *words[2:4])
     parser = argparse.ArgumentParser(prog=f"python plugrl_min.py {' '.join(words)}",
                                      description="Serve this policy and algorithm to env clients over WebSocket.")
@@ -1380,6 +1380,12 @@ def server_main(argv: list[str]) -> int:
     shared = {f.name for f in dataclasses.fields(policy_config)} & {f.name for f in dataclasses.fields(algo_config)}
     for name in sorted(shared):
         print(f"warning: {name!r} is in both the policy and the algorithm config: keep it in one", file=sys.stderr)
+    return words, policy_config, algo_config, args
+
+
+def server_main(argv: list[str]) -> int:
+    """Parse the server command line, build policy and algorithm, optionally resume, and serve."""
+    words, policy_config, algo_config, args = _server_args(argv)
     run_dir = args.run_dir or os.path.join("runs", f"{words[2]}-{time.strftime('%Y%m%d-%H%M%S')}")
     if args.resume and not args.run_dir:
         raise SystemExit("error: --resume needs --run-dir DIR, the run to continue")
@@ -1402,8 +1408,7 @@ def server_main(argv: list[str]) -> int:
     try:
         algo = make_algo(words[2], policy, algo_config)
     except KeyError as error:  # the config module was imported, the class module was not
-        print(f"KeyError: {error}", file=sys.stderr)
-        return 1
+        raise SystemExit(f"KeyError: {error}") from None
     algo.init_optimizers()
     counters = {}
     if args.resume:
