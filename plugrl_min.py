@@ -489,7 +489,6 @@ class Connection:
     slots: dict = dataclasses.field(default_factory=dict)
     owed: int = 0  # environments that were given an action and sent no feedback yet
     owed_since: float = 0.0
-    closed: bool = False
 
 
 def save_checkpoint(run_dir: str, checkpoint: Checkpoint, server_counters: dict, keep: int = 3) -> str:
@@ -552,7 +551,7 @@ class Server:
                          "obs_spec": {key: {"shape": list(shape), "dtype": dtype.name}
                                       for key, (shape, dtype) in self.obs_spec.items()},
                          "action_dim": policy.action_dim, "action_horizon": policy.action_horizon}
-        self.connections = set()
+        self.connections = set()  # the open ones: a connection leaves as soon as it is closed or rejected
         self.inbox = []  # validated messages, in arrival order
         self.waiting = []  # infer requests held while should_learn() is true
         self.stop_requested, self.learned_at = False, 0.0
@@ -596,12 +595,11 @@ class Server:
             pass
         finally:
             # Queued infers of a closed connection are skipped; its fed frames were complete messages.
-            conn.closed = True
             self.connections.discard(conn)
 
     async def reject(self, conn: Connection, error: ProtocolError) -> None:
         """Tell the client what was wrong, then close its connection (and no other)."""
-        conn.closed = True
+        self.connections.discard(conn)
         try:
             await conn.ws.send(pack_message({"message_type": "error", "message": str(error), "hint": error.hint}))
             await conn.ws.close(1008, str(error).encode()[:120].decode(errors="ignore"))
@@ -737,7 +735,7 @@ class Server:
 
     async def infer_waiting(self) -> None:
         """One infer() for every waiting client: concatenate, infer, derive_train_state, split, send."""
-        batch = [item for item in self.waiting if not item[1].closed]
+        batch = [item for item in self.waiting if item[1] in self.connections]
         self.waiting = []
         if not batch:
             return
@@ -769,19 +767,19 @@ class Server:
         """A client that owes feedback for --feedback-timeout seconds is dropped; time spent learning does not count."""
         limit = time.monotonic() - self.feedback_timeout
         for conn in list(self.connections):
-            if conn.owed and not conn.closed and max(conn.owed_since, self.learned_at) < limit:
-                conn.closed = True  # once: the task below runs after this pass
+            if conn.owed and max(conn.owed_since, self.learned_at) < limit:
+                self.connections.discard(conn)  # once: the task below runs after this pass
                 error = ProtocolError(f"no feedback for {self.feedback_timeout:g} s",
                                       "send feedback after every action")
                 task = asyncio.create_task(self.reject(conn, error))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
 
-    def show_progress(self, every: float = 1.0) -> None:
-        """One progress line, refreshed in place on a terminal, plain periodic lines otherwise."""
+    def show_progress(self) -> None:
+        """One progress line, refreshed in place on a terminal every second, a plain line every 10 s otherwise."""
         now = time.perf_counter()
         tty = sys.stdout.isatty()
-        if now - self.shown_at < (every if tty else 10 * every):
+        if now - self.shown_at < (1.0 if tty else 10.0):
             return
         self.shown_at = now
         line = (f"step {self.global_step}/{self.algo.config.global_steps} | "
