@@ -1091,13 +1091,12 @@ def execute_decision(env: VecEnv, obs: dict, steps: int, physical_action, reward
         seen.append(obs)
         if not active.any():
             break
-    last = np.maximum(executed - 1, 0)
     if reward_aggregation == "sum":
         reward = rewards.sum(1)
     elif reward_aggregation == "mean":
-        reward = rewards.sum(1) / np.maximum(executed, 1)
+        reward = rewards.sum(1) / executed  # every environment executes the first step
     elif reward_aggregation == "last":
-        reward = rewards[np.arange(n), last]
+        reward = rewards[np.arange(n), executed - 1]
     else:  # stack: zero-filled to `steps` while some env still runs, one trailing zero if all stopped early
         reward = rewards[:, :min(steps, executed.max() + 1)]
     if stack_observations:  # observations after each physical step, the last one repeated to `steps`
