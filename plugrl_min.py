@@ -764,7 +764,7 @@ class Server:
                 pass
 
     def drop_silent_clients(self) -> None:
-        """A client that owes feedback for --feedback-timeout seconds is dropped; time spent learning does not count."""
+        """A client owing feedback for --feedback-timeout seconds is dropped; time spent learning does not count."""
         limit = time.monotonic() - self.feedback_timeout
         for conn in list(self.connections):
             if conn.owed and max(conn.owed_since, self.learned_at) < limit:
@@ -1337,7 +1337,7 @@ USAGE = """usage: python plugrl_min.py POLICY VARIANT ALGO VARIANT [--algo.FIELD
 
 
 def _server_args(argv: list[str]) -> tuple:
-    """The four words, their configs (--policy.* and --algo.* applied) and the server flags; --help exits."""
+    """The four words, their configs (--policy.* and --algo.* applied) and the checked server flags; --help exits."""
     words = []
     for word in argv[:4]:
         if word.startswith("-"):
@@ -1377,6 +1377,11 @@ def _server_args(argv: list[str]) -> tuple:
     shared = {f.name for f in dataclasses.fields(policy_config)} & {f.name for f in dataclasses.fields(algo_config)}
     for name in sorted(shared):
         print(f"warning: {name!r} is in both the policy and the algorithm config: keep it in one", file=sys.stderr)
+    if args.resume and not args.run_dir:
+        raise SystemExit("error: --resume needs --run-dir DIR, the run to continue")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.token:
+        print(f"warning: serving on {args.host} without --token: anyone who can reach it can connect",
+              file=sys.stderr)
     return words, policy_config, algo_config, args
 
 
@@ -1384,11 +1389,6 @@ def server_main(argv: list[str]) -> int:
     """Parse the server command line, build policy and algorithm, optionally resume, and serve."""
     words, policy_config, algo_config, args = _server_args(argv)
     run_dir = args.run_dir or os.path.join("runs", f"{words[2]}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if args.resume and not args.run_dir:
-        raise SystemExit("error: --resume needs --run-dir DIR, the run to continue")
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.token:
-        print(f"warning: serving on {args.host} without --token: anyone who can reach it can connect",
-              file=sys.stderr)
     resolved = {"policy": words[0], "policy_variant": words[1], "policy_config": dataclasses.asdict(policy_config),
                 "algorithm": words[2], "algo_variant": words[3], "algo_config": dataclasses.asdict(algo_config),
                 "seed": args.seed}
