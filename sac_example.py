@@ -4,13 +4,14 @@ The server's policy is the actor; this file adds twin Q critics, their targets, 
 
 # Read it top to bottom: 1. Config  2. Twin critic  3. Replay buffer  4. Algorithm  5. Benchmark  6. Command line.
 # Train: python sac_example.py dummy-policy default sac default --local-env-clients 1 --local-env pendulum-v1
-# Check: python sac_example.py bench [--seeds 3] [--steps 15000]   (the learning bar on pendulum-v1)
+# Check: python sac_example.py bench [--seeds 3] [--steps 15000]   (the learning and speed bars, pendulum-v1)
 
 import argparse
 import dataclasses
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -263,34 +264,23 @@ class SAC(BaseAlgorithm):
 
 def run_seed(seed: int, steps: int, folder: str) -> dict:
     """One server and one pendulum-v1 client as subprocesses; returns the client's summary plus timings."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    run_dir, log_path, summary_path = (os.path.join(folder, f"seed{seed}{s}") for s in ("", ".log", ".json"))
-    command = [sys.executable, "plugrl_min.py"]
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(command + ["dummy-policy", "default", UID, "default", "--port", "0", "--seed",
-                                             str(seed), "--algo.global-steps", str(steps), "--run-dir", run_dir],
-                                  cwd=here, stdout=log, stderr=subprocess.STDOUT)
-
-    def failed(what: str) -> SystemExit:
-        with open(log_path) as log:  # the folder is deleted on exit: show the end of the server's log now
-            return SystemExit(f"seed {seed}: {what}; the server's log ends:\n{''.join(log.readlines()[-20:])}")
-
+    run_dir, summary_path = os.path.join(folder, f"seed{seed}"), os.path.join(folder, f"seed{seed}.json")
+    with socket.socket() as probe:  # a free port for this run (the client retries until the server listens)
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    command = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugrl_min.py")]
+    server = subprocess.Popen(command + ["dummy-policy", "default", UID, "default", "--port", port, "--seed", str(seed),
+                                         "--algo.global-steps", str(steps), "--run-dir", run_dir],
+                              stdout=subprocess.DEVNULL)  # its errors still reach stderr
     try:
-        port = None
-        while port is None and server.poll() is None:  # it prints `listening on ws://127.0.0.1:PORT` when ready
-            time.sleep(0.05)
-            with open(log_path) as log:
-                port = next((line.rsplit(":", 1)[1].strip() for line in log if line.startswith("listening on")), None)
-        if port is None:
-            raise failed(f"the server exited with {server.returncode} before listening")
         client = subprocess.run(command + ["env-client", "pendulum-v1", "--server-port", port, "--seed", str(seed),
-                                           "--num-episodes", "1000000", "--summary-json", summary_path],
-                                cwd=here, stdout=subprocess.DEVNULL)
-        if server.wait(timeout=60) != 0 or client.returncode != 0:
-            raise failed(f"the server exited with {server.returncode}, the client with {client.returncode}")
+                                           "--num-episodes", "1000000", "--summary-json", summary_path,
+                                           "--connect-timeout", "60"], stdout=subprocess.DEVNULL)
+        status = server.wait(timeout=60)
     finally:
-        if server.poll() is None:
-            server.kill()
+        server.kill()  # does nothing once it has exited
+    if status != 0 or client.returncode != 0:
+        raise SystemExit(f"seed {seed}: the server exited with {status}, the client with {client.returncode}")
     with open(summary_path) as file:
         summary = json.load(file)
     with open(os.path.join(run_dir, "metrics.jsonl")) as file:
@@ -300,27 +290,86 @@ def run_seed(seed: int, steps: int, folder: str) -> dict:
     return summary
 
 
+def cleanrl_update_ms(updates: int = 400) -> float:
+    """The speed bar: ms per learning step of CleanRL's SAC loop on Pendulum, in-process and written its way
+    (nn.Linear critics, torch.distributions, a second sample for alpha, three Adams, a Python target update)."""
+    def mlp(n_in, n_out):
+        return nn.Sequential(nn.Linear(n_in, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, n_out))
+
+    def get_action(x):  # CleanRL's Actor.get_action, action scale 2
+        mean, log_std = actor(x).chunk(2, dim=-1)
+        normal = torch.distributions.Normal(mean, (-5 + 3.5 * (torch.tanh(log_std) + 1)).exp())
+        x_t = normal.rsample()
+        log_prob = normal.log_prob(x_t) - torch.log(2 * (1 - torch.tanh(x_t).pow(2)) + 1e-6)
+        return 2 * torch.tanh(x_t), log_prob.sum(1, keepdim=True)
+
+    actor, critics, targets = mlp(3, 2), [mlp(4, 1), mlp(4, 1)], [mlp(4, 1), mlp(4, 1)]
+    log_alpha, alpha = torch.zeros(1, requires_grad=True), 1.0
+    q_optimizer = torch.optim.Adam([p for q in critics for p in q.parameters()], lr=1e-3)
+    actor_optimizer = torch.optim.Adam(actor.parameters(), lr=3e-4)
+    alpha_optimizer = torch.optim.Adam([log_alpha], lr=1e-3)
+    frames = np.random.randn(20_000, 9).astype(np.float32)  # obs 3, action 1, reward 1, next obs 3, done 1
+    for step in range(50 + updates):  # the first 50 warm up
+        if step == 50:
+            start = time.perf_counter()
+        get_action(torch.Tensor(frames[:1, :3]))[0].detach().numpy()  # the action of this env step
+        batch = torch.tensor(frames[np.random.randint(0, len(frames), 256)])
+        obs, action, reward, next_obs, done = batch.split([3, 1, 1, 3, 1], dim=1)
+        with torch.no_grad():
+            next_action, next_log_prob = get_action(next_obs)
+            next_q = torch.min(*(q(torch.cat([next_obs, next_action], 1)) for q in targets)) - alpha * next_log_prob
+            target = reward.flatten() + (1 - done.flatten()) * 0.99 * next_q.view(-1)
+        q_loss = sum(nn.functional.mse_loss(q(torch.cat([obs, action], 1)).view(-1), target) for q in critics)
+        q_optimizer.zero_grad()
+        q_loss.backward()
+        q_optimizer.step()
+        for _ in range(2 if step % 2 == 0 else 0):
+            pi, log_pi = get_action(obs)
+            actor_loss = (alpha * log_pi - torch.min(*(q(torch.cat([obs, pi], 1)) for q in critics))).mean()
+            actor_optimizer.zero_grad()
+            actor_loss.backward()
+            actor_optimizer.step()
+            with torch.no_grad():
+                _, log_pi = get_action(obs)
+            alpha_loss = (-log_alpha.exp() * (log_pi - 1)).mean()
+            alpha_optimizer.zero_grad()
+            alpha_loss.backward()
+            alpha_optimizer.step()
+            alpha = log_alpha.exp().item()
+        for q, q_target in zip(critics, targets):
+            for param, target_param in zip(q.parameters(), q_target.parameters()):
+                target_param.data.copy_(0.005 * param.data + 0.995 * target_param.data)
+    return 1000 * (time.perf_counter() - start) / updates
+
+
 def bench(argv: list[str]) -> int:
-    """Train on pendulum-v1 for each seed; exit 0 if every seed's last-10-episode mean return is >= the bar."""
+    """Train on pendulum-v1 for each seed; exit 0 if every seed reaches the return bar and, on average over the
+    seeds, a run takes no longer than CleanRL's loop needs in-process for the same updates (the speed bar)."""
     parser = argparse.ArgumentParser(prog="python sac_example.py bench", description=bench.__doc__)
     parser.add_argument("--seeds", type=int, default=3, help="seeds 1..N, run one after another")
     parser.add_argument("--steps", type=int, default=15_000, help="environment steps per seed")
     parser.add_argument("--bar", type=float, default=-200.0, help="the mean return every seed must reach")
     args = parser.parse_args(argv)
+    updates = args.steps - SACConfig().learning_starts
     results = []
     with tempfile.TemporaryDirectory(prefix="sac-bench-") as folder:
         for seed in range(1, args.seeds + 1):  # one at a time: two runs would share the machine's cores
             summary = run_seed(seed, args.steps, folder)
             last10 = float(np.mean(summary["returns"][-10:]))
-            results.append((last10, summary["seconds"]))
-            # Timings depend on what else runs: the load average puts them in context.
-            print(f"seed {seed}: last-10 mean return {last10:8.1f} | {summary['seconds']:6.1f} s | "
-                  f"{1000 * summary['per_update']:.2f} ms/update | {summary['env_steps']} env steps | "
-                  f"load average {os.getloadavg()[0]:.1f}", flush=True)
-    worst, passed = min(r for r, _ in results), all(r >= args.bar for r, _ in results)
-    print(f"summary: {'PASS' if passed else 'FAIL'} | worst last-10 mean {worst:.1f} (bar {args.bar:g}) | "
-          f"mean {np.mean([r for r, _ in results]):.1f} | mean {np.mean([s for _, s in results]):.1f} s per seed")
-    return 0 if passed else 1
+            # CleanRL's loop in-process, timed right after the run (the same machine, the same load); its 5,000
+            # random steps (about a second) are left out, in CleanRL's favour.
+            reference = updates * cleanrl_update_ms() / 1000
+            results.append((last10, summary["seconds"], reference))
+            print(f"seed {seed}: last-10 mean return {last10:8.1f} | {summary['seconds']:6.1f} s "
+                  f"(CleanRL in-process {reference:.1f} s) | {1000 * summary['per_update']:.2f} ms/update | "
+                  f"{summary['env_steps']} env steps | load average {os.getloadavg()[0]:.1f}", flush=True)
+    returns, seconds, references = (np.array(column) for column in zip(*results))
+    # One seed's time swings by a tenth with the machine's load: the speed bar compares means over the seeds.
+    learns, fast = (returns >= args.bar).all(), seconds.mean() <= references.mean()
+    print(f"summary: returns {'PASS' if learns else 'FAIL'} (worst last-10 mean {returns.min():.1f}, bar {args.bar:g}) "
+          f"| speed {'PASS' if fast else 'FAIL'} (mean {seconds.mean():.1f} s per seed, CleanRL in-process "
+          f"{references.mean():.1f} s)")
+    return 0 if learns and fast else 1
 
 
 # --- 6. Command line: `python sac_example.py [bench | plugrl_min server arguments]` -------------------------
