@@ -165,6 +165,8 @@ class SAC(BaseAlgorithm):
         if (next_terminated or next_truncated) and "episode" in info and bool(info["episode"].get("mask", True)):
             self.record_episode_metrics(info["episode"])
         # Only termination stops bootstrapping: a truncated episode's next state still has a future.
+        # A stacked reward (--reward-aggregation stack, one per physical step) counts as the decision's total.
+        reward = float(np.sum(reward))
         self.buffer.add(obs["state"], train_state["action"], reward, next_obs["state"], next_terminated)
         self.global_step += 1
         return prev_node, self.global_step, {}

@@ -3111,6 +3111,25 @@ def test_sac_is_registered_and_off_policy():
     assert algo.on_policy is False
 
 
+def test_sac_stores_a_stacked_reward_as_its_sum():
+    algo = filled_sac(frames=0)
+    obs, action = {"state": np.zeros(3, np.float32)}, {"action": np.zeros((1, 1), np.float32)}
+    algo.feedback(obs=obs, runtime_state=action, train_state=action, terminated=False, truncated=False,
+                  next_obs=obs, reward=np.array([1.0, 2.0, 0.0], np.float32), info={}, next_terminated=False,
+                  next_truncated=False, prev_node=(-1, ""))
+    assert algo.buffer.size == 1 and algo.buffer.reward[0] == 3.0
+
+
+def test_sac_server_trains_to_the_end_with_a_stacking_closed_loop_client(tmp_path):
+    server, port, _ = start_server("--algo.global-steps", "300", "--algo.learning-starts", "100",
+                                   "--algo.batch-size", "32", run_dir=tmp_path / "run", env=ONE_THREAD)
+    client = subprocess.run([sys.executable, "plugrl_min.py", "env-client", "pendulum-v1", "--server-port", port,
+                             "--num-episodes", "1000000", "--closed-loop-steps", "3", "--controller", "track",
+                             "--reward-aggregation", "stack"], cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert client.returncode == 0, client.stderr
+    assert "run finished: global step 300" in finish(server)
+
+
 def test_sac_example_script_help_lists_algo_flags():
     result = subprocess.run([sys.executable, "sac_example.py", "dummy-policy", "default", "sac", "default", "--help"],
                             cwd=HERE, capture_output=True, text=True, timeout=60)
