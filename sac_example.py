@@ -262,7 +262,7 @@ class SAC(BaseAlgorithm):
             self.actor_optimizer.load_state_dict(checkpoint.optimizer["actor"])
 
 
-# --- 5. Benchmark: the learning bar on pendulum-v1, server and client over a real WebSocket -----------------
+# --- 5. Benchmark: the learning and speed bars on pendulum-v1, server and client over a real WebSocket ------
 
 def run_seed(seed: int, steps: int, folder: str) -> dict:
     """One server and one pendulum-v1 client as subprocesses; returns the client's summary plus timings."""
