@@ -1346,7 +1346,7 @@ def _server_args(argv: list[str]) -> tuple:
     if len(words) < 2:
         print(f"{USAGE}\n\npolicies: {_registered(_POLICY_CONFIGS)}\nalgorithms: {_registered(_ALGO_CONFIGS)}\n"
               f"environments (env-client): {', '.join(ENVIRONMENTS)}, gym:ENV_ID")
-        raise SystemExit(0 if argv[:1] in (["-h"], ["--help"]) else 2)
+        raise SystemExit(0 if {"-h", "--help"} & set(argv) else 2)
     policy_config = _choose(_POLICY_CONFIGS, "policy", *words[:2])
     if len(words) < 4:
         print(f"usage: python plugrl_min.py {words[0]} {words[1]} ALGO VARIANT [flags]\n\n"

@@ -1149,6 +1149,12 @@ def test_help_lists_the_builtin_policy_and_algorithm():
     assert re.search(r"algorithms:.*\bdummy\b", result.stdout), result.stdout
 
 
+def test_help_after_an_incomplete_command_exits_0_and_a_missing_word_exits_2():
+    asked = python("plugrl_min.py", "dummy-policy", "--help")
+    assert asked.returncode == 0 and "policies:" in asked.stdout, asked.stderr
+    assert python("plugrl_min.py", "dummy-policy").returncode == 2
+
+
 @pytest.mark.parametrize("words", [["dummy-policy", "default", "no-such-algo", "default"],
                                    ["dummy-policy", "default", "dummy", "no-such-variant"]],
                          ids=["unknown uid", "unknown variant"])
