@@ -325,19 +325,20 @@ def cleanrl_update_ms(updates: int = 400) -> float:
         q_optimizer.zero_grad()
         q_loss.backward()
         q_optimizer.step()
-        for _ in range(2 if step % 2 == 0 else 0):
-            pi, log_pi = get_action(obs)
-            actor_loss = (alpha * log_pi - torch.min(*(q(torch.cat([obs, pi], 1)) for q in critics))).mean()
-            actor_optimizer.zero_grad()
-            actor_loss.backward()
-            actor_optimizer.step()
-            with torch.no_grad():
-                _, log_pi = get_action(obs)
-            alpha_loss = (-log_alpha.exp() * (log_pi - 1)).mean()
-            alpha_optimizer.zero_grad()
-            alpha_loss.backward()
-            alpha_optimizer.step()
-            alpha = log_alpha.exp().item()
+        if step % 2 == 0:  # policy_frequency 2: two actor steps every second update
+            for _ in range(2):
+                pi, log_pi = get_action(obs)
+                actor_loss = (alpha * log_pi - torch.min(*(q(torch.cat([obs, pi], 1)) for q in critics))).mean()
+                actor_optimizer.zero_grad()
+                actor_loss.backward()
+                actor_optimizer.step()
+                with torch.no_grad():
+                    _, log_pi = get_action(obs)
+                alpha_loss = (-log_alpha.exp() * (log_pi - 1)).mean()  # target entropy -1
+                alpha_optimizer.zero_grad()
+                alpha_loss.backward()
+                alpha_optimizer.step()
+                alpha = log_alpha.exp().item()
         for q, q_target in zip(critics, targets):
             for param, target_param in zip(q.parameters(), q_target.parameters()):
                 target_param.data.copy_(0.005 * param.data + 0.995 * target_param.data)
