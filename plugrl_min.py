@@ -1129,8 +1129,9 @@ class MultiAction:
     def step(self, action) -> tuple:
         """Execute one chunk; returns (obs, reward, terminated, truncated, info) of the whole decision."""
         chunk = np.asarray(action)
-        if chunk.ndim != 3 or chunk.shape[0] != self.env.num_envs or chunk.shape[2] != self.env.action_dim:
-            raise ValueError(f"action chunk must be [{self.env.num_envs}, H, {self.env.action_dim}], "
+        if (chunk.ndim != 3 or chunk.shape[0] != self.env.num_envs or chunk.shape[1] < 1
+                or chunk.shape[2] != self.env.action_dim):
+            raise ValueError(f"action chunk must be [{self.env.num_envs}, H >= 1, {self.env.action_dim}], "
                              f"got {list(chunk.shape)}")
         steps = chunk.shape[1] if self.replan_steps is None else min(chunk.shape[1], self.replan_steps)
         result = execute_decision(self.env, self.obs, steps, lambda t, obs, active: chunk[:, t],
@@ -1466,7 +1467,9 @@ def env_client_main(argv: list[str]) -> int:
         parser.error("--num-envs and --num-episodes must be at least 1")
     try:
         return asyncio.run(run_env_client(args))
-    except (SystemExit, ValueError) as error:  # SystemExit: the client's own clear stop, with its reason
+    except (SystemExit, ValueError) as error:  # SystemExit(message): the client's own clear stop, with its reason
+        if isinstance(error, SystemExit) and not isinstance(error.code, str):
+            raise  # a bare exit status from elsewhere (a plug-in, a library) keeps its meaning
         print(f"env-client: {error}", file=sys.stderr)
         return 1 if isinstance(error, SystemExit) else 2
     except KeyboardInterrupt:

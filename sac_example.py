@@ -278,7 +278,7 @@ def run_seed(seed: int, steps: int, folder: str) -> dict:
         client = subprocess.run(command + ["env-client", "pendulum-v1", "--server-port", port, "--seed", str(seed),
                                            "--num-episodes", "1000000", "--summary-json", summary_path,
                                            "--connect-timeout", "60"], stdout=subprocess.DEVNULL)
-        status = server.wait(timeout=60)
+        status = server.wait(timeout=60) if client.returncode == 0 else None  # else it waits for frames forever
     finally:
         server.kill()  # does nothing once it has exited
     if status != 0 or client.returncode != 0:
@@ -298,6 +298,14 @@ def cleanrl_update_ms(updates: int = 400) -> float:
     def mlp(n_in, n_out):
         return nn.Sequential(nn.Linear(n_in, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, n_out))
 
+    actor, qf1, qf2, qf1_target, qf2_target = mlp(3, 2), mlp(4, 1), mlp(4, 1), mlp(4, 1), mlp(4, 1)
+    log_alpha, alpha = torch.zeros(1, requires_grad=True), 1.0
+    q_optimizer = torch.optim.Adam(list(qf1.parameters()) + list(qf2.parameters()), lr=1e-3)
+    actor_optimizer = torch.optim.Adam(actor.parameters(), lr=3e-4)
+    alpha_optimizer = torch.optim.Adam([log_alpha], lr=1e-3)
+    # Random frames (obs 3, action 1, reward 1, next obs 3, done 1): only the time of the arithmetic matters here.
+    frames = np.random.randn(20_000, 9).astype(np.float32)
+
     def get_action(x):  # CleanRL's Actor.get_action, action scale 2
         mean, log_std = actor(x).chunk(2, dim=-1)
         normal = torch.distributions.Normal(mean, (-5 + 3.5 * (torch.tanh(log_std) + 1)).exp())
@@ -305,12 +313,6 @@ def cleanrl_update_ms(updates: int = 400) -> float:
         log_prob = normal.log_prob(x_t) - torch.log(2 * (1 - torch.tanh(x_t).pow(2)) + 1e-6)
         return 2 * torch.tanh(x_t), log_prob.sum(1, keepdim=True)
 
-    actor, critics, targets = mlp(3, 2), [mlp(4, 1), mlp(4, 1)], [mlp(4, 1), mlp(4, 1)]
-    log_alpha, alpha = torch.zeros(1, requires_grad=True), 1.0
-    q_optimizer = torch.optim.Adam([p for q in critics for p in q.parameters()], lr=1e-3)
-    actor_optimizer = torch.optim.Adam(actor.parameters(), lr=3e-4)
-    alpha_optimizer = torch.optim.Adam([log_alpha], lr=1e-3)
-    frames = np.random.randn(20_000, 9).astype(np.float32)  # obs 3, action 1, reward 1, next obs 3, done 1
     for step in range(50 + updates):  # the first 50 warm up
         if step == 50:
             start = time.perf_counter()
@@ -319,16 +321,19 @@ def cleanrl_update_ms(updates: int = 400) -> float:
         obs, action, reward, next_obs, done = batch.split([3, 1, 1, 3, 1], dim=1)
         with torch.no_grad():
             next_action, next_log_prob = get_action(next_obs)
-            next_q = torch.min(*(q(torch.cat([next_obs, next_action], 1)) for q in targets)) - alpha * next_log_prob
+            next_sa = torch.cat([next_obs, next_action], 1)
+            next_q = torch.min(qf1_target(next_sa), qf2_target(next_sa)) - alpha * next_log_prob
             target = reward.flatten() + (1 - done.flatten()) * 0.99 * next_q.view(-1)
-        q_loss = sum(nn.functional.mse_loss(q(torch.cat([obs, action], 1)).view(-1), target) for q in critics)
+        sa = torch.cat([obs, action], 1)
+        q_loss = nn.functional.mse_loss(qf1(sa).view(-1), target) + nn.functional.mse_loss(qf2(sa).view(-1), target)
         q_optimizer.zero_grad()
         q_loss.backward()
         q_optimizer.step()
         if step % 2 == 0:  # policy_frequency 2: two actor steps every second update
             for _ in range(2):
                 pi, log_pi = get_action(obs)
-                actor_loss = (alpha * log_pi - torch.min(*(q(torch.cat([obs, pi], 1)) for q in critics))).mean()
+                s_pi = torch.cat([obs, pi], 1)
+                actor_loss = (alpha * log_pi - torch.min(qf1(s_pi), qf2(s_pi))).mean()
                 actor_optimizer.zero_grad()
                 actor_loss.backward()
                 actor_optimizer.step()
@@ -339,7 +344,7 @@ def cleanrl_update_ms(updates: int = 400) -> float:
                 alpha_loss.backward()
                 alpha_optimizer.step()
                 alpha = log_alpha.exp().item()
-        for q, q_target in zip(critics, targets):
+        for q, q_target in ((qf1, qf1_target), (qf2, qf2_target)):
             for param, target_param in zip(q.parameters(), q_target.parameters()):
                 target_param.data.copy_(0.005 * param.data + 0.995 * target_param.data)
     return 1000 * (time.perf_counter() - start) / updates
@@ -354,6 +359,8 @@ def bench(argv: list[str]) -> int:
     parser.add_argument("--bar", type=float, default=-200.0, help="the mean return every seed must reach")
     args = parser.parse_args(argv)
     updates = args.steps - SACConfig().learning_starts
+    if updates < 1:
+        parser.error(f"--steps must be more than learning_starts ({SACConfig().learning_starts}): no update runs")
     results = []
     with tempfile.TemporaryDirectory(prefix="sac-bench-") as folder:
         for seed in range(1, args.seeds + 1):  # one at a time: two runs would share the machine's cores

@@ -506,6 +506,24 @@ def test_plugin_puts_its_uid_in_help(tmp_path):
     assert re.search(r"algorithms:.*\bplugin-listed \(default\)", result.stdout), result.stdout
 
 
+SHARED_FIELD_PLUGIN = '''
+import dataclasses
+from plugrl_min import BaseAlgoConfig, register_algo_config
+
+@register_algo_config("shares-a-field")
+@dataclasses.dataclass
+class SharesAField(BaseAlgoConfig):
+    hidden_size: int = 64  # dummy-policy's config has it too
+'''
+
+
+def test_a_field_in_both_configs_is_a_warning_naming_it(tmp_path):
+    write_plugin(tmp_path, "shared_field_plugin", SHARED_FIELD_PLUGIN)
+    result = python("plugrl_min.py", "--plugin", "shared_field_plugin", "dummy-policy", "default", "shares-a-field",
+                    "default", "--port", "0", "--run-dir", str(tmp_path / "run"), pythonpath=tmp_path)
+    assert "'hidden_size' is in both the policy and the algorithm config: keep it in one" in result.stderr
+
+
 def test_only_the_config_registered_prints_the_config_then_keyerror(tmp_path):
     write_plugin(tmp_path, "config_only_plugin", CONFIG_ONLY_PLUGIN)
     result = python("plugrl_min.py", "dummy-policy", "default", "config-only", "default", "--port", "0",
@@ -1785,8 +1803,15 @@ def test_decision_of_the_wrong_shape_is_a_value_error_naming_both_shapes(shape):
 def test_action_chunk_of_the_wrong_shape_is_a_value_error():
     executor = MultiAction(make_env("counting-v1", 2))
     executor.reset()
-    with pytest.raises(ValueError, match=r"action chunk must be \[2, H, 1\], got \[2, 3\]"):
+    with pytest.raises(ValueError, match=r"action chunk must be \[2, H >= 1, 1\], got \[2, 3\]"):
         executor.step(np.zeros((2, 3), np.float32))
+
+
+def test_an_empty_action_chunk_is_a_value_error():
+    executor = MultiAction(make_env("counting-v1", 2))
+    executor.reset()
+    with pytest.raises(ValueError, match=r"action chunk must be \[2, H >= 1, 1\], got \[2, 0, 1\]"):
+        executor.step(np.zeros((2, 0, 1), np.float32))
 
 
 # --- MultiAction (open loop) -------------------------------------------------------------------------------
@@ -2673,6 +2698,16 @@ def test_env_client_gives_a_clear_error_when_no_server_comes_within_connect_time
     elapsed = time.monotonic() - started
     assert status != 0 and 1.0 <= elapsed < 5.0
     assert f"env-client: no server at ws://127.0.0.1:{port} after 1 s" in capsys.readouterr().err
+
+
+def test_env_client_passes_on_a_bare_exit_status_unchanged(monkeypatch):
+    def exit_3(*args):
+        raise SystemExit(3)  # an exit status from a library or plug-in, not one of the client's own stops
+
+    monkeypatch.setattr(plugrl_min, "make_env", exit_3)
+    with pytest.raises(SystemExit) as stop:
+        plugrl_min.env_client_main(["dummy-v1"])
+    assert stop.value.code == 3
 
 
 def test_env_client_reconnects_after_a_server_restart_and_finishes(tmp_path):
