@@ -1,12 +1,22 @@
 # SPDX-License-Identifier: MIT
 """plugrl_min: a single-file reference implementation, for teaching, of the PlugRL server contract.
-Environments run in client processes and talk over WebSocket to a server that batches inference and learns.
 
-Read it top to bottom; the sections run in this order:
+Environments run in client processes and talk over WebSocket to a server that holds the policy
+and the algorithm. The server batches inference across clients, routes every frame of feedback
+to the algorithm's `feedback` or `discard_feedback`, learns, checkpoints and resumes. Every name,
+hook and rule of the PlugRL "Custom Algorithm" page holds here, with `plugrl_min` as the import
+path instead of `plugrl_server.*`.
+
+The sections, in file order:
   1. Wire format   2. State types   3. Registries   4. Policies   5. Algorithms
   6. Server        7. Environment client            8. Command line
-Every name, hook and rule of the PlugRL "Custom Algorithm" page holds here, with
-`plugrl_min` as the import path instead of `plugrl_server.*`.
+
+A first reading follows one frame, from the client's observation to the algorithm and back:
+  - 2 and 5: the contract (state types, BaseAlgorithm, the dummy algorithm, then pg);
+  - 6 up to "Input checks": the server loop (control_loop, infer_waiting, route_feedback);
+  - the end of 7: the client's rollout loop (run_episodes).
+A first reading skips the byte layout of section 1, the input checks at the end of 6, the
+physics of the environments, the executors' details and the command line (8).
 """
 
 import abc
@@ -142,13 +152,15 @@ def unpack_message(frame: bytes) -> dict:
         raise ProtocolError("header nests too deeply") from None
 
 
-# ===== 2. State types: what flows from infer to feedback, and what a checkpoint holds =====
-# PlugRL page: PolicyRuntimeState, PolicyTrainState (plugrl_server.policy.state) and Checkpoint.
 
-# Whatever the policy returns from infer beside the action: an array or a dict of arrays
-# (nested), batched along axis 0. The server slices it per environment for feedback.
+
+# ===== 2. State types: what flows from infer to feedback, and what a checkpoint holds =====
+# PlugRL page: PolicyRuntimeState, PolicyTrainState (plugrl_server.policy.state), Checkpoint.
+
+# Whatever the policy returns from infer beside the action: an array or a dict of arrays (nested),
+# batched along axis 0. The server keeps it and hands each environment its row in feedback.
 PolicyRuntimeState: typing.TypeAlias = typing.Any
-# What derive_train_state makes of a runtime state (a nested dict of arrays, or None).
+# What derive_train_state keeps of a runtime state for learning (a nested dict of arrays, or None).
 PolicyTrainState: typing.TypeAlias = typing.Any
 
 
@@ -167,7 +179,7 @@ class Checkpoint:
 
 
 def slice_rows(tree, rows):
-    """Index every array or tensor of a nested dict (or a lone array) along axis 0; None stays None."""
+    """Index every array of a nested dict (or a lone array) along axis 0; None stays None."""
     if tree is None:
         return None
     if isinstance(tree, dict):
@@ -175,10 +187,11 @@ def slice_rows(tree, rows):
     return tree[rows]
 
 
-# ===== 3. Registries: where the command line finds policies and algorithms by UID and variant =====
+# ===== 3. Registries: where the command line finds policies, algorithms and environments =====
 # PlugRL page: register_algo_config, register_algo (and their policy twins), make_algo.
 
 _POLICY_CONFIGS, _POLICIES, _ALGO_CONFIGS, _ALGOS = {}, {}, {}, {}
+ENVIRONMENTS = {}  # env_id -> VecEnv subclass, for the env client (section 7)
 
 
 def _registrar(table: dict, key, what: str, value):
@@ -192,8 +205,9 @@ def _registrar(table: dict, key, what: str, value):
 
 
 def register_policy_config(uid: str, variant: str = "default"):
-    """Class decorator: register a policy config dataclass's default instance under (uid, variant)."""
-    return _registrar(_POLICY_CONFIGS, (uid, variant), f"policy config {uid}/{variant}", lambda cls: cls())
+    """Class decorator: register a policy config dataclass's defaults under (uid, variant)."""
+    return _registrar(_POLICY_CONFIGS, (uid, variant), f"policy config {uid}/{variant}",
+                      lambda cls: cls())
 
 
 def register_policy(uid: str):
@@ -202,8 +216,9 @@ def register_policy(uid: str):
 
 
 def register_algo_config(uid: str, variant: str = "default"):
-    """Class decorator: register an algorithm config dataclass's default instance under (uid, variant)."""
-    return _registrar(_ALGO_CONFIGS, (uid, variant), f"algorithm config {uid}/{variant}", lambda cls: cls())
+    """Class decorator: register an algorithm config dataclass's defaults under (uid, variant)."""
+    return _registrar(_ALGO_CONFIGS, (uid, variant), f"algorithm config {uid}/{variant}",
+                      lambda cls: cls())
 
 
 def register_algo(uid: str):
@@ -211,8 +226,13 @@ def register_algo(uid: str):
     return _registrar(_ALGOS, uid, f"algorithm {uid}", lambda cls: cls)
 
 
+def register_env(env_id: str):
+    """Class decorator: register a VecEnv subclass under env_id, for env-client and --local-env."""
+    return _registrar(ENVIRONMENTS, env_id, f"environment {env_id}", lambda cls: cls)
+
+
 def _build(kind: str, classes: dict, configs: dict, uid: str, variant: str, config, **kwargs):
-    if config is None:  # a copy of the registered default, so flags never change the registry
+    if config is None:  # a copy of the registered defaults, so flags never change the registry
         if (uid, variant) not in configs:
             raise KeyError(f"{kind} config {uid}/{variant} is not registered.")
         config = dataclasses.replace(configs[(uid, variant)])
@@ -222,38 +242,47 @@ def _build(kind: str, classes: dict, configs: dict, uid: str, variant: str, conf
 
 
 def make_policy(uid: str, config=None, variant: str = "default"):
-    """Build the policy registered as uid, from config (default: the registered variant's defaults)."""
+    """Build the policy registered as uid (default config: the registered variant's)."""
     return _build("Policy", _POLICIES, _POLICY_CONFIGS, uid, variant, config)
 
 
 def make_algo(uid: str, policy, config=None, variant: str = "default"):
-    """Build the algorithm registered as uid around policy. An abstract class raises TypeError here."""
+    """Build the algorithm registered as uid around policy. An abstract class raises TypeError."""
     return _build("Algorithm", _ALGOS, _ALGO_CONFIGS, uid, variant, config, policy=policy)
 
 
-# ===== 4. Policies: a batch of observations in, actions [n, action_horizon, action_dim] out =====
+# ===== 4. Policies: a batch of observations in, a batch of actions out =====
 # PlugRL page: BaseTorchPolicy, and the dummy-policy of its smoke test.
 
 class BaseTorchPolicy(nn.Module):
-    """A policy is an nn.Module (so state_dict() works) with the methods the server and algorithms call."""
+    """A policy is an nn.Module (so state_dict() works) with what the server and algorithms call.
+
+    Continuous actions are float32 [n, action_horizon, action_dim]. Discrete actions (num_actions
+    set) are int64 indices [n, action_horizon, 1]: one of num_actions choices per step.
+    """
 
     action_dim: int
     action_horizon: int = 1
-    obs_spec: dict  # observation key -> (shape without the batch axis, dtype name); sent in the metadata
+    num_actions: int | None = None  # None: continuous actions
+    obs_spec: dict  # observation key -> (shape without the batch axis, dtype name)
 
     def get_action_and_runtime_state(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
-        """Actions [n, action_horizon, action_dim] as float32 numpy, and the runtime state, for a batch."""
+        """Actions for a batch of observations, and the runtime state of how they were drawn."""
         raise NotImplementedError
 
     def fake_runtime_state(self, n: int) -> PolicyRuntimeState:
         """A runtime state of the right shapes for n environments (used to size buffers)."""
         raise NotImplementedError
 
+    def distribution(self, state: torch.Tensor) -> torch.distributions.Distribution:
+        """The distribution runtime_state["sample"] was drawn from: what pg differentiates."""
+        raise NotImplementedError
+
 
 @register_policy_config("dummy-policy")
 @dataclasses.dataclass
 class DummyPolicyConfig:
-    """Sizes of the dummy-policy; the defaults fit dummy-v1 and pendulum-v1 (3 observations, 1 action)."""
+    """Sizes of dummy-policy; the defaults fit dummy-v1 and pendulum-v1 (3 observations, 1 action)."""
 
     obs_dim: int = 3
     action_dim: int = 1
@@ -265,102 +294,181 @@ class DummyPolicyConfig:
 
 @register_policy("dummy-policy")
 class DummyPolicy(BaseTorchPolicy):
-    """A tanh-Gaussian MLP: actions in [-1, 1]. SAC uses it as its actor through sample()."""
+    """A tanh-Gaussian MLP: actions in [-1, 1]. The actor of sac (through sample()) and of pg."""
 
     def __init__(self, config: DummyPolicyConfig):
         super().__init__()
         self.config = config
-        self.action_dim, self.action_horizon = config.action_dim, config.action_horizon
+        self.action_dim = config.action_dim
+        self.action_horizon = config.action_horizon
         self.obs_spec = {"state": ((config.obs_dim,), "float32")}
-        out = config.action_dim * config.action_horizon
-        self.trunk = nn.Sequential(nn.Linear(config.obs_dim, config.hidden_size), nn.ReLU(),
-                                   nn.Linear(config.hidden_size, config.hidden_size), nn.ReLU())
-        self.head = nn.Linear(config.hidden_size, 2 * out)  # mean and log-std in one matmul
+        hidden = config.hidden_size
+        self.trunk = nn.Sequential(nn.Linear(config.obs_dim, hidden), nn.ReLU(),
+                                   nn.Linear(hidden, hidden), nn.ReLU())
+        # Mean and log-std of every action of the chunk, in one matmul.
+        self.head = nn.Linear(hidden, 2 * config.action_horizon * config.action_dim)
 
     def forward(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean and log standard deviation of the pre-tanh Gaussian, [B, action_horizon * action_dim]."""
+        """Mean and log-std of the Gaussian before tanh, each [B, action_horizon * action_dim]."""
         mean, log_std = self.head(self.trunk(state)).chunk(2, dim=-1)
         low, high = self.config.log_std_min, self.config.log_std_max
-        return mean, low + 0.5 * (high - low) * (torch.tanh(log_std) + 1)  # squashed into [low, high]
+        return mean, low + 0.5 * (high - low) * (torch.tanh(log_std) + 1)  # squashed to [low, high]
+
+    def distribution(self, state: torch.Tensor) -> torch.distributions.Distribution:
+        """The Gaussian of the sample u; the action is tanh(u)."""
+        mean, log_std = self(state)
+        gaussian = torch.distributions.Normal(mean, log_std.exp(), validate_args=False)
+        return torch.distributions.Independent(gaussian, 1, validate_args=False)
 
     def sample(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A reparameterized action in (-1, 1) and its log-probability [B] (tanh change of variables)."""
-        mean, log_std = self(state)
-        noise = torch.randn_like(mean)
-        action = torch.tanh(mean + log_std.exp() * noise)
-        # The Gaussian's log-density at mean + std·noise, written out, then the tanh change of variables.
-        log_prob = -0.5 * noise.pow(2) - log_std - 0.5 * math.log(2 * math.pi)
-        log_prob = log_prob - torch.log(1 - action.pow(2) + 1e-6)
-        return action, log_prob.sum(-1)
+        """A reparameterized action in (-1, 1) and its log-probability [B] (what sac trains)."""
+        gaussian = self.distribution(state)
+        u = gaussian.rsample()
+        action = torch.tanh(u)
+        # The density of a = tanh(u) is the density of u over |da/du| = 1 - tanh(u)^2.
+        log_prob = gaussian.log_prob(u) - torch.log(1 - action.pow(2) + 1e-6).sum(-1)
+        return action, log_prob
 
     @torch.inference_mode()
     def get_action_and_runtime_state(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
-        """Sample actions for a batch; the runtime state records the action taken."""
-        mean, log_std = self(torch.from_numpy(obs["state"]))
-        # The same distribution as sample(), without the log-probability that only learning needs.
-        action = torch.tanh(torch.normal(mean, log_std.exp())).numpy()
-        action = action.reshape(-1, self.action_horizon, self.action_dim)
-        return action, {"action": action}
+        """Sample a batch of actions; the runtime state keeps the action, u and u's log-prob."""
+        gaussian = self.distribution(torch.from_numpy(obs["state"]))
+        u = gaussian.sample()
+        action = torch.tanh(u).numpy().reshape(-1, self.action_horizon, self.action_dim)
+        return action, {"action": action, "sample": u.numpy(),
+                        "log_prob": gaussian.log_prob(u).numpy()}
 
     def fake_runtime_state(self, n: int) -> PolicyRuntimeState:
         """Zeros shaped like the runtime state of n environments."""
-        return {"action": np.zeros((n, self.action_horizon, self.action_dim), np.float32)}
+        size = self.action_horizon * self.action_dim
+        return {"action": np.zeros((n, self.action_horizon, self.action_dim), np.float32),
+                "sample": np.zeros((n, size), np.float32), "log_prob": np.zeros(n, np.float32)}
 
 
-# ===== 5. Algorithms: the hooks the server loop calls, their defaults, and the built-in dummy =====
+@register_policy_config("categorical-policy")
+@dataclasses.dataclass
+class CategoricalPolicyConfig:
+    """Sizes of categorical-policy (discrete actions)."""
+
+    obs_dim: int = 4
+    num_actions: int = 2
+    hidden_size: int = 64
+
+
+@register_policy_config("categorical-policy", "cartpole")
+@dataclasses.dataclass
+class CartPolePolicyConfig(CategoricalPolicyConfig):
+    """categorical-policy sized for cartpole-v1: 4 observations, 2 actions (push left, right)."""
+
+    obs_dim: int = 4
+    num_actions: int = 2
+
+
+@register_policy("categorical-policy")
+class CategoricalPolicy(BaseTorchPolicy):
+    """An MLP with a categorical head: one of num_actions choices per step (action_dim is 1)."""
+
+    def __init__(self, config: CategoricalPolicyConfig):
+        super().__init__()
+        self.action_dim = 1
+        self.num_actions = config.num_actions
+        self.obs_spec = {"state": ((config.obs_dim,), "float32")}
+        hidden = config.hidden_size
+        self.logits = nn.Sequential(nn.Linear(config.obs_dim, hidden), nn.Tanh(),
+                                    nn.Linear(hidden, hidden), nn.Tanh(),
+                                    nn.Linear(hidden, config.num_actions))
+
+    def distribution(self, state: torch.Tensor) -> torch.distributions.Distribution:
+        """One categorical over num_actions per observation."""
+        return torch.distributions.Categorical(logits=self.logits(state), validate_args=False)
+
+    @torch.inference_mode()
+    def get_action_and_runtime_state(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
+        """Sample a batch of choices; the runtime state keeps each choice and its log-prob."""
+        categorical = self.distribution(torch.from_numpy(obs["state"]))
+        choice = categorical.sample()  # [n] int64
+        action = choice.numpy().reshape(-1, 1, 1)  # [n, action_horizon = 1, 1]
+        return action, {"action": action, "sample": choice.numpy(),
+                        "log_prob": categorical.log_prob(choice).numpy()}
+
+    def fake_runtime_state(self, n: int) -> PolicyRuntimeState:
+        """Zeros shaped like the runtime state of n environments."""
+        return {"action": np.zeros((n, 1, 1), np.int64), "sample": np.zeros(n, np.int64),
+                "log_prob": np.zeros(n, np.float32)}
+
+
+# ===== 5. Algorithms: the hooks the server loop calls, and three algorithms that use them =====
 # PlugRL page: BaseAlgoConfig, BaseAlgorithm, "Server contract" and "Design rules".
 
 @dataclasses.dataclass
 class BaseAlgoConfig:
-    """Every algorithm config derives from this. global_steps is the run length the progress line reads."""
+    """Every algorithm config derives from this. global_steps is the run length (--algo.*)."""
 
     global_steps: int | None = 100_000
 
 
 class BaseAlgorithm(abc.ABC):
-    """The server-side algorithm. Override learn_impl (abstract), feedback and the should_* hooks."""
+    """The server-side algorithm. Override learn_impl (abstract), feedback and the should_* hooks.
 
-    # False for a replay-buffer learner: then every frame with a step state goes to feedback.
+    The server calls every hook from one task, one at a time: no two ever run concurrently.
+    """
+
+    # The routing rule. True: feedback() gets only frames whose action came from the current
+    # policy, while no learn is due. False (a replay-buffer learner): every frame.
     on_policy: bool = True
 
     def __init__(self, config: BaseAlgoConfig, policy: BaseTorchPolicy):
-        self.config, self.policy = config, policy
+        self.config = config
+        self.policy = policy
         self.global_step = 0
-        self._episodes = []  # (return, length, success) recorded since the last learn
+        self._episodes = []  # (return, length, success) of the episodes since the last learn
 
     def infer(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
-        """Actions and runtime state for one batch of environments (the server batches across clients)."""
+        """Actions and runtime state for one batch (the server batches across clients)."""
         return self.policy.get_action_and_runtime_state(obs)
 
     def derive_train_state(self, runtime_state: PolicyRuntimeState) -> PolicyTrainState:
-        """Runs right after every infer; its result comes back, per environment, as feedback(train_state=)."""
+        """Keep what learning needs of a runtime state; it comes back as feedback(train_state=).
+
+        It runs once per infer batch, right after infer, so per-frame work is done batched.
+        """
         return None
 
     def example_train_state(self, n: int) -> PolicyTrainState:
-        """A train state for n environments, from the policy's fake runtime state: use it to size buffers."""
+        """A train state for n environments from the policy's fake runtime state: size buffers."""
         return self.derive_train_state(self.policy.fake_runtime_state(n))
 
-    def feedback(self, *, obs: dict, runtime_state: PolicyRuntimeState, train_state: PolicyTrainState = None,
-                 terminated: bool, truncated: bool, next_obs: dict, reward, info: dict,
-                 next_terminated: bool, next_truncated: bool, prev_node: tuple) -> tuple[tuple, int, dict]:
-        """Store one frame. terminated/truncated: the previous frame's flags; next_*: this transition's.
+    def feedback(self, *, obs: dict, runtime_state: PolicyRuntimeState,
+                 train_state: PolicyTrainState = None, terminated: bool, truncated: bool,
+                 next_obs: dict, reward, info: dict, next_terminated: bool, next_truncated: bool,
+                 prev_node: tuple) -> tuple[tuple, int, dict]:
+        """Store one frame: obs, the action drawn for it (runtime_state), reward and next_obs.
 
-        Returns (prev_node, global_step, log_dict); prev_node comes back to this environment's next frame.
+        terminated/truncated are the flags of this environment's previous frame: true means this
+        frame begins an episode. next_terminated/next_truncated are this transition's own.
+        prev_node is what feedback returned for this environment's previous stored frame, or
+        (-1, "") when there is none to link to. Returns (node of this frame, global_step, log).
         """
         raise NotImplementedError(f"{type(self).__name__}.feedback: store the frame and return "
                                   "(prev_node, global_step, log_dict)")
 
     def discard_feedback(self, *, info: dict, next_terminated: bool, next_truncated: bool) -> None:
-        """Every frame that is not stored comes here. Overrides must call super(), or episodes go missing."""
-        if (next_terminated or next_truncated) and "episode" in info and bool(info["episode"].get("mask", True)):
-            self.record_episode_metrics(info["episode"])
+        """Every frame that is not stored. Overrides must call super(), or episodes go missing."""
+        self.record_finished_episode(info, next_terminated, next_truncated)
+
+    def record_finished_episode(self, info: dict, next_terminated: bool, next_truncated: bool):
+        """The page's check, written once: record info["episode"] if this frame ended one."""
+        if (next_terminated or next_truncated) and "episode" in info:
+            if bool(info["episode"].get("mask", True)):
+                self.record_episode_metrics(info["episode"])
 
     def record_episode_metrics(self, episode: dict) -> None:
-        """Count one finished episode (r = return, l = length, s = success) in the next rollout/* metrics."""
-        self._episodes.append((float(episode["r"]), float(episode["l"]), float(episode.get("s", 0.0))))
+        """Count one finished episode (r: return, l: length, s: success) in rollout/*."""
+        self._episodes.append((float(episode["r"]), float(episode["l"]),
+                               float(episode.get("s", 0.0))))
 
     def build_train_info(self, global_step: int, log_dict: dict) -> tuple[int, dict]:
-        """Add rollout/* (means over the episodes recorded since the last learn; 0 when there were none)."""
+        """Add rollout/* (means over the episodes recorded since the last learn; 0 if none)."""
         means = np.mean(self._episodes, axis=0) if self._episodes else np.zeros(3)
         rollout = {"rollout/reward": float(means[0]), "rollout/length": float(means[1]),
                    "rollout/success": float(means[2]), "rollout/episodes": len(self._episodes)}
@@ -373,13 +481,13 @@ class BaseAlgorithm(abc.ABC):
 
     @abc.abstractmethod
     def learn_impl(self) -> tuple[int, dict]:
-        """One learning step: returns (global_step, log_dict). It must move what should_learn reads."""
+        """One learning step: (global_step, log_dict). It must move what should_learn reads."""
 
     def pre_learn(self) -> None:
-        """Runs on the event loop right before learn()."""
+        """Runs right before learn()."""
 
     def post_learn(self) -> None:
-        """Runs on the event loop right after learn(). Overrides must call super(): it resets rollout/*."""
+        """Runs right after learn(). Overrides must call super(): it resets rollout/*."""
         self._episodes = []
 
     def should_learn(self) -> bool:
@@ -391,15 +499,17 @@ class BaseAlgorithm(abc.ABC):
         return False
 
     def should_stop(self) -> bool:
-        """True when the run is over (a final checkpoint is written, then every client is told)."""
-        return self.config.global_steps is not None and self.global_step >= self.config.global_steps
+        """True when the run is over: a final checkpoint, then every client is told."""
+        steps = self.config.global_steps
+        return steps is not None and self.global_step >= steps
 
     def create_checkpoint(self) -> Checkpoint:
-        """The policy weights and global_step; save schedule counters in meta."""
-        return Checkpoint(step=self.global_step, model=self.policy.state_dict(), optimizer=None, meta={})
+        """The policy weights and global_step; put schedule counters in meta."""
+        return Checkpoint(step=self.global_step, model=self.policy.state_dict(), optimizer=None,
+                          meta={})
 
     def load_checkpoint(self, checkpoint: Checkpoint) -> None:
-        """Restore what create_checkpoint saved (called on --resume, after init_optimizers)."""
+        """Restore what create_checkpoint saved (on --resume, after init_optimizers)."""
         self.global_step = checkpoint.step
         if checkpoint.model is not None:
             self.policy.load_state_dict(checkpoint.model)
@@ -416,96 +526,661 @@ class DummyAlgoConfig(BaseAlgoConfig):
     global_steps: int | None = 10_000
     learn_every: int = 1_000  # frames between learns
     save_every: int = 100  # learns between checkpoints
-    learn_seconds: float = 0.0  # pretend each learn takes this long (0: instant, to measure the loop)
 
 
 @register_algo("dummy")
 class DummyAlgorithm(BaseAlgorithm):
-    """The smallest complete algorithm: counts frames, 'learns' every learn_every, saves every save_every."""
+    """The smallest complete algorithm: counts frames, 'learns' every learn_every, saves."""
 
     def __init__(self, config: DummyAlgoConfig, policy: BaseTorchPolicy):
         super().__init__(config=config, policy=policy)
-        self.frames_since_learn, self.learns, self.saved_at_learn = 0, 0, 0
+        self.frames_since_learn = 0
+        self.learns = 0
+        self.saved_at_learn = 0
 
-    def feedback(self, *, obs, runtime_state, train_state=None, terminated, truncated, next_obs, reward, info,
-                 next_terminated, next_truncated, prev_node):
+    def feedback(self, *, obs, runtime_state, train_state=None, terminated, truncated, next_obs,
+                 reward, info, next_terminated, next_truncated, prev_node):
         """Count the frame and its finished episode; store nothing."""
-        self.discard_feedback(info=info, next_terminated=next_terminated, next_truncated=next_truncated)
+        self.record_finished_episode(info, next_terminated, next_truncated)
         self.global_step += 1
         self.frames_since_learn += 1
         return prev_node, self.global_step, {}
 
     def learn_impl(self):
         """Nothing to learn; moving frames_since_learn is what turns should_learn false."""
-        time.sleep(self.config.learn_seconds)
-        self.frames_since_learn, self.learns = 0, self.learns + 1
+        self.frames_since_learn = 0
+        self.learns += 1
         return self.global_step, {"train/learns": self.learns}
 
     def should_learn(self):
-        """Every learn_every stored frames."""
         return self.frames_since_learn >= self.config.learn_every
 
     def should_save(self):
-        """Every save_every learns; create_checkpoint records the learn it saved."""
         return self.learns - self.saved_at_learn >= self.config.save_every
 
     def create_checkpoint(self):
-        """Weights, and the counters the schedule reads in meta."""
+        """Weights, and in meta every counter the schedule reads."""
         self.saved_at_learn = self.learns
-        meta = {"frames_since_learn": self.frames_since_learn, "learns": self.learns, "saved_at_learn": self.learns}
-        return Checkpoint(step=self.global_step, model=self.policy.state_dict(), optimizer=None, meta=meta)
+        meta = {"frames_since_learn": self.frames_since_learn, "learns": self.learns,
+                "saved_at_learn": self.saved_at_learn}
+        return Checkpoint(step=self.global_step, model=self.policy.state_dict(), optimizer=None,
+                          meta=meta)
 
     def load_checkpoint(self, checkpoint):
         """Restore the weights and every counter, so the cadence continues exactly."""
         super().load_checkpoint(checkpoint)
         self.frames_since_learn = checkpoint.meta["frames_since_learn"]
-        self.learns, self.saved_at_learn = checkpoint.meta["learns"], checkpoint.meta["saved_at_learn"]
+        self.learns = checkpoint.meta["learns"]
+        self.saved_at_learn = checkpoint.meta["saved_at_learn"]
 
 
-# ===== 6. Server: the asyncio WebSocket loop (batched infer, routing, learn, save, stop) =====
+@register_algo_config("pg")
+@dataclasses.dataclass
+class PGConfig(BaseAlgoConfig):
+    """pg's hyperparameters; every field is a flag (--algo.frames-per-learn 4096)."""
+
+    global_steps: int | None = 300_000  # frames stored, then the run ends
+    frames_per_learn: int = 2048  # the batch: a learn runs each time it is full
+    gamma: float = 0.99  # discount per decision
+    gae_lambda: float = 0.95  # GAE: 0 is the one-step TD error, 1 the Monte Carlo return
+    lr: float = 1e-3
+    value_epochs: int = 4  # value steps per learn; the policy takes one (see learn_impl)
+    value_hidden_size: int = 64
+    save_every: int = 20  # learns between checkpoints
+
+
+@register_algo("pg")
+class PG(BaseAlgorithm):
+    """On-policy policy gradient: a learned value baseline and GAE(lambda) advantages.
+
+    It learns from fixed-size batches of frames, not whole episodes: a learn runs every
+    frames_per_learn stored frames, so long episodes weigh as much as short ones, and a client
+    that leaves mid-episode never holds a learn up.
+    """
+
+    on_policy = True  # the gradient below is only unbiased for the current policy's actions
+
+    def __init__(self, config: PGConfig, policy: BaseTorchPolicy):
+        super().__init__(config=config, policy=policy)
+        n = config.frames_per_learn
+        obs_size = math.prod(policy.obs_spec["state"][0])
+        sample = self.example_train_state(1)["sample"][0]  # one frame's sample: its shape, dtype
+        self.batch = {"obs": np.zeros((n, obs_size), np.float32),
+                      "next_obs": np.zeros((n, obs_size), np.float32),
+                      "sample": np.zeros((n, *sample.shape), sample.dtype),
+                      "reward": np.zeros(n, np.float32),
+                      "next_terminated": np.zeros(n, bool),
+                      "successor": np.full(n, -1)}  # row of the environment's next stored frame
+        self.stored = 0  # rows of the batch filled
+        self.learns = 0
+        self.saved_at = 0
+        hidden = config.value_hidden_size
+        self.value = nn.Sequential(nn.Linear(obs_size, hidden), nn.Tanh(),
+                                   nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+
+    def init_optimizers(self) -> None:
+        """One Adam for the policy and the value network."""
+        parameters = [*self.policy.parameters(), *self.value.parameters()]
+        self.optimizer = torch.optim.Adam(parameters, lr=self.config.lr)
+
+    def derive_train_state(self, runtime_state: dict) -> dict:
+        """The sample the action was made from: learn_impl asks the policy its log-probability."""
+        return {"sample": runtime_state["sample"]}
+
+    def feedback(self, *, obs, runtime_state, train_state=None, terminated, truncated, next_obs,
+                 reward, info, next_terminated, next_truncated, prev_node):
+        """Store the frame in the next row; link it to its environment's previous frame."""
+        self.record_finished_episode(info, next_terminated, next_truncated)
+        row = self.stored
+        self.batch["obs"][row] = obs["state"]
+        self.batch["next_obs"][row] = next_obs["state"]
+        self.batch["sample"][row] = train_state["sample"]
+        self.batch["reward"][row] = np.sum(reward)  # a stacked reward counts as its sum
+        self.batch["next_terminated"][row] = next_terminated
+        self.batch["successor"][row] = -1
+        # prev_node is the node returned for this environment's previous stored frame. Link the
+        # two, unless this frame begins an episode (the previous frame was its last) or the node
+        # is from an earlier batch (only possible if a student sets on_policy = False).
+        previous, batch = prev_node
+        if previous >= 0 and batch == str(self.learns) and not (terminated or truncated):
+            self.batch["successor"][previous] = row
+        self.stored += 1
+        self.global_step += 1
+        return (row, str(self.learns)), self.global_step, {}
+
+    def should_learn(self) -> bool:
+        return self.stored >= self.config.frames_per_learn
+
+    def learn_impl(self) -> tuple[int, dict]:
+        """Advantages from the batch, one policy step, value_epochs value steps; a new batch."""
+        cfg = self.config
+        batch = {key: torch.from_numpy(array[:self.stored]) for key, array in self.batch.items()}
+        with torch.no_grad():
+            value = self.value(batch["obs"]).squeeze(-1)
+            next_value = self.value(batch["next_obs"]).squeeze(-1)
+        # One-step TD errors. Termination stops bootstrapping. Truncation bootstraps, and so does
+        # a segment this learn cuts short: next_obs is the last observation its frame saw.
+        not_done = 1.0 - batch["next_terminated"].float()
+        advantage = (batch["reward"] + cfg.gamma * not_done * next_value - value).numpy()
+        # GAE runs backwards along each environment's chain of frames. Rows are in arrival
+        # order, so a frame's successor always sits in a later row and is finished first.
+        successor = self.batch["successor"]
+        for row in reversed(range(self.stored)):
+            if successor[row] >= 0:
+                advantage[row] += cfg.gamma * cfg.gae_lambda * advantage[successor[row]]
+        advantage = torch.from_numpy(advantage)
+        returns = advantage + value  # the value network's regression target
+        advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-8)
+        for epoch in range(cfg.value_epochs):
+            value_loss = (self.value(batch["obs"]).squeeze(-1) - returns).pow(2).mean()
+            loss = value_loss
+            if epoch == 0:  # later epochs would follow a policy that no longer drew these samples
+                log_prob = self.policy.distribution(batch["obs"]).log_prob(batch["sample"])
+                policy_loss = -(advantage * log_prob).mean()
+                loss = loss + policy_loss
+            self.optimizer.zero_grad()
+            loss.backward()
+            self.optimizer.step()
+        self.stored = 0
+        self.learns += 1  # also names the new batch: nodes of the old one link nothing
+        return self.global_step, {"train/policy_loss": policy_loss.item(),
+                                  "train/value_loss": value_loss.item()}
+
+    def should_save(self) -> bool:
+        return self.learns - self.saved_at >= self.config.save_every
+
+    def create_checkpoint(self) -> Checkpoint:
+        """Policy, value network, optimizer, counters, and the frames of the unfinished batch."""
+        self.saved_at = self.learns
+        frames = {key: torch.from_numpy(array[:self.stored].copy())
+                  for key, array in self.batch.items()}
+        meta = {"learns": self.learns, "saved_at": self.saved_at, "stored": self.stored,
+                "value": self.value.state_dict(), "frames": frames}
+        return Checkpoint(step=self.global_step, model=self.policy.state_dict(),
+                          optimizer=self.optimizer.state_dict(), meta=meta)
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """Restore everything create_checkpoint saved, so the learn cadence continues exactly."""
+        super().load_checkpoint(checkpoint)
+        meta = checkpoint.meta
+        self.learns = meta["learns"]
+        self.saved_at = meta["saved_at"]
+        self.stored = meta["stored"]
+        self.value.load_state_dict(meta["value"])
+        self.optimizer.load_state_dict(checkpoint.optimizer)
+        for key, frames in meta["frames"].items():
+            self.batch[key][:self.stored] = frames.numpy()
+
+
+# ===== 6. Server: batched infer, the routing rule, learn, save and stop, over WebSocket =====
 # PlugRL page: "Server contract" and "What the loop implies for the hooks".
 
 RUN_FINISHED = "run finished"  # the close reason that tells a client the run is over (exit 0)
-SERVER_FAILED = "server failed"  # the close reason's prefix when the algorithm raised
+SERVER_FAILED = "server failed"  # the close reason's prefix when an algorithm hook raised
 MAX_MESSAGE_BYTES = 16 * 2**20
+NO_NODE = (-1, "")  # prev_node when there is no stored frame of this environment to link to
+PROTOCOL_HINT = "see 'The wire protocol' in README.md"
+
+
+@dataclasses.dataclass(eq=False)
+class InferBatch:
+    """One infer() call, kept until every environment in it has sent its feedback."""
+
+    obs: dict  # {key: [n, ...]}, the observations the actions were chosen for
+    action: np.ndarray  # [n, action_horizon, action_dim]
+    runtime_state: PolicyRuntimeState  # batched along axis 0, like obs
+    train_state: PolicyTrainState  # derive_train_state(runtime_state)
+    version: int  # the policy version that acted: learns so far
+
+
+@dataclasses.dataclass(eq=False)
+class StepState:
+    """An environment's step state: the infer batch and row of the action it executes."""
+
+    batch: InferBatch
+    row: int
 
 
 @dataclasses.dataclass(eq=False)
 class EnvSlot:
     """What the server keeps for one environment of one connection."""
 
-    waiting: bool = False  # its infer is queued, its action not yet sent
-    step: tuple | None = None  # (infer batch, row) of the action it was given and owes feedback for
-    terminated: bool = False  # the previous frame's flags: feedback's terminated/truncated
+    waiting: bool = False  # its infer is queued; its action not sent yet
+    step: StepState | None = None  # the action it was given and owes feedback for
+    terminated: bool = False  # its previous frame's flags: feedback(terminated=, truncated=)
     truncated: bool = False
-    prev_node: tuple = (-1, "")  # what feedback returned for this environment last time
+    prev_node: tuple = NO_NODE  # what feedback returned for its previous stored frame
 
 
 @dataclasses.dataclass(eq=False)
 class Connection:
-    """One env client: its WebSocket, its environments, and how long it has owed feedback."""
+    """One env client: its WebSocket and its environments, by the client's own env_indices."""
 
     ws: typing.Any
-    slots: dict = dataclasses.field(default_factory=dict)
-    owed: int = 0  # environments that were given an action and sent no feedback yet
-    owed_since: float = 0.0
+    number: int  # for the trace: connections in the order they came
+    slots: dict = dataclasses.field(default_factory=dict)  # env index -> EnvSlot
+    owed: int = 0  # environments given an action that sent no feedback yet
+    heard_at: float = 0.0  # its last feedback, or the last action sent to it: the timeout clock
 
 
-def save_checkpoint(run_dir: str, checkpoint: Checkpoint, server_counters: dict, keep: int = 3) -> str:
-    """Write a checkpoint to a temporary file and rename it into place: a crash never damages the last good one."""
+@dataclasses.dataclass(eq=False)
+class InferRequest:
+    """A checked infer message, queued until the control loop answers it."""
+
+    conn: Connection
+    env_indices: np.ndarray  # int64 [n]
+    obs: dict  # {key: [n, ...]}
+
+
+@dataclasses.dataclass(eq=False)
+class FeedbackMessage:
+    """A checked feedback message: one frame per environment, each with its step state."""
+
+    conn: Connection
+    env_indices: list  # [m] int
+    slots: list  # [m] EnvSlot
+    steps: list  # [m] StepState, taken from the slots when the message arrived
+    next_obs: dict  # {key: [m, ...]}, the observation after each decision
+    rewards: list  # [m] floats (or [m] arrays [k]: one reward per physical step, 'stack')
+    terminated: list  # [m] bool, this transition's: feedback(next_terminated=)
+    truncated: list
+    info: dict  # {key: [m, ...]}, e.g. "episode" on the frames that finished one
+
+
+class Server:
+    """One run: the algorithm behind a WebSocket endpoint, writing to its run directory.
+
+    Each connection's task only checks and queues messages. One control task talks to the
+    algorithm, so no two hooks ever run at once (learn runs in a worker thread, alone).
+    """
+
+    def __init__(self, algo: BaseAlgorithm, run_dir: str, names: tuple[str, str], *,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, feedback_timeout: float = 60.0,
+                 token: str | None = None, global_step: int = 0, policy_version: int = 0,
+                 learn_threads: int | None = None, trace: int = 0):
+        self.algo = algo
+        self.run_dir = run_dir
+        self.max_message_bytes = max_message_bytes
+        self.feedback_timeout = feedback_timeout
+        self.token = token
+        self.global_step = global_step
+        self.version = policy_version  # learns so far (a resumed run continues the count)
+        policy = algo.policy
+        self.obs_spec = {key: (tuple(shape), np.dtype(dtype))
+                         for key, (shape, dtype) in policy.obs_spec.items()}
+        self.action_shape = (policy.action_horizon, policy.action_dim)
+        self.action_dtype = np.float32 if policy.num_actions is None else np.int64
+        self.metadata = {
+            "message_type": "metadata", "protocol_version": PROTOCOL_VERSION,
+            "policy": names[0], "algorithm": names[1],
+            "obs_spec": {key: {"shape": list(shape), "dtype": dtype.str}
+                         for key, (shape, dtype) in self.obs_spec.items()},
+            "action_dim": policy.action_dim, "num_actions": policy.num_actions,
+            "action_horizon": policy.action_horizon}
+        self.connections = set()  # the open ones; a closed or rejected one leaves at once
+        self.connections_made = 0
+        self.inbox = []  # checked messages, in arrival order
+        self.waiting = []  # infer requests not answered yet
+        self.wake = asyncio.Event()  # set by every message, and twice a second by tick()
+        self.stop_requested = False
+        self.learned_at = 0.0  # when the last learn ended: the feedback clock stood still
+        self.tasks = set()  # background tasks (asyncio keeps only weak references to them)
+        self.learns = 0
+        self.infer_calls = 0
+        self.inferred_envs = 0
+        self.frames = 0  # routed since the start
+        self.fed = 0  # since the last metrics line
+        self.discarded = 0
+        self.feedback_logs = {}  # key -> values that feedback returned since the last line
+        self.last_log = {}  # the newest metrics line that saw episodes, for the progress line
+        self.curve = []  # (frames, rollout/reward) for the chart at the end
+        self.trace_left = trace  # frames still to narrate (--trace)
+        self.metrics_file = None  # metrics.jsonl, open while run() runs
+        self.tensorboard = None  # a SummaryWriter, when the tensorboard package is installed
+        self.started = time.perf_counter()
+        self.shown_at = self.started
+        # Every learn() runs in this one OS thread, with all of torch's threads (its batches are
+        # large). Not asyncio.to_thread: torch's thread count is per OS thread.
+        self.learn_executor = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="learn", initializer=torch.set_num_threads,
+            initargs=(learn_threads or torch.get_num_threads(),))
+
+    # --- The wire side: one task per connection ---------------------------------------------
+
+    async def handle_client(self, ws) -> None:
+        """Send the metadata, then check and queue every message; a bad one closes this one."""
+        self.connections_made += 1
+        conn = Connection(ws, self.connections_made)
+        self.connections.add(conn)
+        try:
+            await ws.send(pack_message(self.metadata))
+            async for frame in ws:
+                try:
+                    self.inbox.append(self.accept(conn, unpack_message(frame)))
+                except Exception as error:  # whatever a client sends costs only its connection
+                    if not isinstance(error, ProtocolError):
+                        error = ProtocolError(f"malformed message ({type(error).__name__}: {error})")
+                    await self.reject(conn, error)
+                    return
+                self.wake.set()
+        except websockets.ConnectionClosed:
+            pass
+        finally:
+            # Its queued infers are skipped; its feedback already queued was whole, and counts.
+            self.connections.discard(conn)
+
+    def accept(self, conn: Connection, message: dict) -> InferRequest | FeedbackMessage:
+        """Turn a checked message into a queued item, and move its environments' state on."""
+        if check_message(message, self.obs_spec) == "infer":
+            env_ids = message["env_indices"].tolist()
+            slots = [conn.slots.setdefault(i, EnvSlot()) for i in env_ids]
+            for i, slot in zip(env_ids, slots):
+                if slot.waiting or slot.step is not None:
+                    raise ProtocolError(f"infer: environment {i} owes feedback for its last "
+                                        "action", "send feedback after every action, then infer")
+                slot.waiting = True
+            return InferRequest(conn, message["env_indices"], message["obs"])
+        env_ids = message["env_indices"].tolist()
+        slots = [conn.slots.get(i) for i in env_ids]
+        if any(slot is None or slot.step is None for slot in slots):
+            raise ProtocolError("feedback: an environment in env_indices has no action to "
+                                "answer", "send feedback only for environments given an action")
+        steps = [slot.step for slot in slots]
+        for slot in slots:
+            slot.step = None  # so the environment may infer again at once
+        conn.owed -= len(slots)
+        conn.heard_at = time.monotonic()
+        reward = message["reward"]
+        rewards = reward.tolist() if reward.ndim == 1 else list(reward)  # floats, or [k] rows
+        return FeedbackMessage(conn, env_ids, slots, steps, message["obs"], rewards,
+                               message["terminated"].tolist(), message["truncated"].tolist(),
+                               message.get("info", {}))
+
+    def check_token(self, connection, request):
+        """Refuse, at the handshake, a client without the run's token (HTTP 401)."""
+        if self.token is None:
+            return None
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, f"Bearer {self.token}".encode()):  # constant time
+            return connection.respond(401, "missing or wrong token\n")
+        return None
+
+    async def reject(self, conn: Connection, error: ProtocolError) -> None:
+        """Tell the client what was wrong, then close its connection (and no other)."""
+        self.connections.discard(conn)
+        reply = {"message_type": "error", "message": str(error), "hint": error.hint}
+        try:
+            await conn.ws.send(pack_message(reply))
+            await conn.ws.close(1008, str(error).encode()[:120].decode(errors="ignore"))
+        except websockets.ConnectionClosed:
+            pass
+
+    # --- The algorithm side: one control task --------------------------------------------------
+
+    async def control_loop(self) -> None:
+        """Route feedback; learn while should_learn(); save; stop; answer the waiting infers."""
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            inbox = self.inbox
+            self.inbox = []
+            for item in inbox:
+                if isinstance(item, FeedbackMessage):
+                    self.route_feedback(item)
+                else:
+                    self.waiting.append(item)
+            # No inference while should_learn() is true: learn() runs in another thread and
+            # changes the weights infer() reads, and an action drawn now would come from a policy
+            # about to be replaced (an on-policy learner would only discard its frame). If
+            # should_learn() stays true, learn again: the page's symptom when it never turns false.
+            while self.algo.should_learn() and not self.stop_requested:
+                await self.learn_once()
+            stop = self.stop_requested or self.algo.should_stop()
+            if stop or self.algo.should_save():
+                self.save()
+            if stop:
+                return
+            if self.waiting:
+                await self.infer_waiting()
+            self.drop_silent_clients()
+            self.show_progress()
+
+    async def infer_waiting(self) -> None:
+        """One infer() for every waiting client: concatenate, infer, derive, split, send."""
+        requests = [request for request in self.waiting if request.conn in self.connections]
+        self.waiting = []
+        if not requests:
+            return
+        obs = {key: np.concatenate([request.obs[key] for request in requests])
+               for key in self.obs_spec}
+        action, runtime_state = self.algo.infer(obs)
+        action = check_action(action, len(obs[next(iter(obs))]), self.action_shape,
+                               self.action_dtype)
+        batch = InferBatch(obs, action, runtime_state, self.algo.derive_train_state(runtime_state),
+                           self.version)
+        self.infer_calls += 1
+        self.inferred_envs += len(action)
+        now = time.monotonic()
+        row = 0
+        for request in requests:
+            first = row
+            for i in request.env_indices.tolist():
+                slot = request.conn.slots[i]
+                slot.waiting = False
+                slot.step = StepState(batch, row)
+                row += 1
+            request.conn.owed += row - first
+            request.conn.heard_at = now
+            reply = {"message_type": "action", "env_indices": request.env_indices,
+                     "action": action[first:row]}
+            try:
+                await request.conn.ws.send(pack_message(reply))
+            except websockets.ConnectionClosed:
+                pass
+
+    def route_feedback(self, message: FeedbackMessage) -> None:
+        """The routing rule: feedback() for frames the algorithm stores, discard_feedback() else."""
+        for j, (slot, step) in enumerate(zip(message.slots, message.steps)):
+            info = slice_rows(message.info, j)
+            next_terminated = message.terminated[j]
+            next_truncated = message.truncated[j]
+            # An on-policy gradient averages over actions of the policy being improved. A frame
+            # whose action came from an older version (stale), or one that arrives once a learn
+            # is due (its batch is full), would bias it: discard_feedback only counts its episode.
+            stale = step.batch.version != self.version
+            discard = self.algo.on_policy and (stale or self.algo.should_learn())
+            if discard:
+                self.algo.discard_feedback(info=info, next_terminated=next_terminated,
+                                           next_truncated=next_truncated)
+                node = NO_NODE  # the chain of this environment's stored frames is broken
+                self.discarded += 1
+            else:
+                node, self.global_step, log = self.algo.feedback(
+                    obs=slice_rows(step.batch.obs, step.row),
+                    runtime_state=slice_rows(step.batch.runtime_state, step.row),
+                    train_state=slice_rows(step.batch.train_state, step.row),
+                    terminated=slot.terminated, truncated=slot.truncated,
+                    next_obs=slice_rows(message.next_obs, j), reward=message.rewards[j],
+                    info=info, next_terminated=next_terminated, next_truncated=next_truncated,
+                    prev_node=slot.prev_node)
+                for key, value in log.items():
+                    self.feedback_logs.setdefault(key, []).append(float(value))
+                self.fed += 1
+            if self.trace_left > 0:
+                self.trace_frame(message, j, node, discard, stale)
+            slot.prev_node = node
+            slot.terminated = next_terminated
+            slot.truncated = next_truncated
+        self.frames += len(message.slots)
+
+    async def learn_once(self) -> None:
+        """pre_learn, learn() in the worker thread (the event loop keeps answering), post_learn."""
+        self.algo.pre_learn()
+        loop = asyncio.get_running_loop()
+        self.global_step, log = await loop.run_in_executor(self.learn_executor, self.algo.learn)
+        self.learned_at = time.monotonic()
+        self.algo.post_learn()
+        self.version += 1
+        self.learns += 1
+        if self.trace_left > 0:
+            print(f"trace: learn {self.learns} -> policy version {self.version}", flush=True)
+        self.write_metrics("learn", log)
+
+    def save(self) -> None:
+        """create_checkpoint(), with the server's counters, written atomically to the run dir."""
+        counters = {"global_step": self.global_step, "policy_version": self.version}
+        save_checkpoint(self.run_dir, self.algo.create_checkpoint(), counters)
+
+    def write_metrics(self, event: str, log: dict) -> None:
+        """One line of metrics.jsonl (and TensorBoard), at every learn and at the end of the run:
+        the log, the means of what feedback returned since the last line, and the routing."""
+        elapsed = time.perf_counter() - self.started
+        means = {key: sum(values) / len(values) for key, values in self.feedback_logs.items()}
+        log = {**means, **log, "server/fed": self.fed, "server/discarded": self.discarded,
+               "server/frames": self.frames, "server/policy_version": self.version,
+               "server/fps": self.frames / elapsed,
+               "server/mean_batch_size": self.inferred_envs / max(self.infer_calls, 1)}
+        log = {key: value.item() if hasattr(value, "item") else value  # tensors and numpy too
+               for key, value in log.items()}
+        self.feedback_logs = {}
+        self.fed = 0
+        self.discarded = 0
+        line = {"event": event, "step": self.global_step, "time": round(elapsed, 3), **log}
+        self.metrics_file.write(json.dumps(line) + "\n")
+        if self.tensorboard is not None:
+            for key, value in log.items():
+                if isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(key, value, self.global_step)
+        if log.get("rollout/episodes"):
+            self.last_log = log
+            self.curve.append((self.frames, log["rollout/reward"]))
+
+    def trace_frame(self, message: FeedbackMessage, j: int, node: tuple, discard: bool,
+                    stale: bool) -> None:
+        """--trace: one line on one frame, from its infer batch to where its feedback went."""
+        self.trace_left -= 1
+        step = message.steps[j]
+        action = np.array2string(step.batch.action[step.row].ravel(), precision=3)
+        if not self.algo.on_policy:
+            where = "feedback (off-policy: every frame is stored)"
+        elif not discard:
+            where = "feedback (acted with the current version)"
+        elif stale:
+            where = (f"discard_feedback (stale: acted with version {step.batch.version}, "
+                     f"the policy is version {self.version})")
+        else:
+            where = "discard_feedback (learn due: should_learn() is true)"
+        print(f"trace: conn {message.conn.number} env {message.env_indices[j]} | infer batch of "
+              f"{len(step.batch.action)} at version {step.batch.version} | action {action} | "
+              f"-> {where} | prev_node {message.slots[j].prev_node} -> {node}", flush=True)
+
+    def drop_silent_clients(self) -> None:
+        """Drop a client silent for --feedback-timeout s while it owes feedback (learns excepted)."""
+        limit = time.monotonic() - self.feedback_timeout
+        for conn in list(self.connections):
+            if conn.owed and max(conn.heard_at, self.learned_at) < limit:
+                self.connections.discard(conn)  # once: the task below runs after this pass
+                error = ProtocolError(f"no feedback for {self.feedback_timeout:g} s",
+                                      "send feedback after every action")
+                task = asyncio.create_task(self.reject(conn, error))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
+
+    def show_progress(self) -> None:
+        """A progress line: in place every second on a terminal, every 10 s otherwise."""
+        now = time.perf_counter()
+        tty = sys.stdout.isatty()
+        if now - self.shown_at < (1.0 if tty else 10.0):
+            return
+        self.shown_at = now
+        reward = self.last_log.get("rollout/reward", float("nan"))
+        line = (f"step {self.global_step}/{self.algo.config.global_steps} | "
+                f"{self.frames / (now - self.started):.0f} fps | rollout/reward {reward:.2f} | "
+                f"batch {self.inferred_envs / max(self.infer_calls, 1):.1f}")
+        print("\r" + line if tty else line, end="" if tty else "\n", flush=True)
+
+    async def tick(self) -> None:
+        """Wake the control loop twice a second: timeouts, progress and should_stop when idle."""
+        while True:
+            await asyncio.sleep(0.5)
+            self.wake.set()
+
+    def request_stop(self) -> None:
+        """Stop after the learn in progress: a final checkpoint, the clients told, status 0."""
+        self.stop_requested = True
+        self.wake.set()
+
+    def on_signal(self) -> None:
+        """SIGINT or SIGTERM: stop cleanly; a second one while stopping quits at once."""
+        if self.stop_requested:
+            print("\nstopped again: exiting now, without a final checkpoint", file=sys.stderr,
+                  flush=True)
+            os._exit(130)
+        print("\nstopping: the learn in progress ends, then a final checkpoint "
+              "(press Ctrl-C again to quit without one)", file=sys.stderr, flush=True)
+        self.request_stop()
+        # The final save runs on this thread; a plain handler still runs between its lines.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: self.on_signal())
+
+    async def run(self, host: str, port: int, on_listening=None) -> int:
+        """Serve until should_stop() (status 0), a signal (0) or an algorithm error (1)."""
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, self.on_signal)
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.tensorboard = open_tensorboard(self.run_dir)
+        with open(os.path.join(self.run_dir, "metrics.jsonl"), "a", buffering=1) as metrics_file:
+            self.metrics_file = metrics_file
+            async with serve(self.handle_client, host, port, max_size=self.max_message_bytes,
+                             compression=None, process_request=self.check_token) as server:
+                port = server.sockets[0].getsockname()[1]
+                print(f"listening on ws://{host}:{port}", flush=True)
+                if on_listening is not None:
+                    on_listening(port)
+                ticker = asyncio.create_task(self.tick())
+                try:
+                    await self.control_loop()
+                    code, reason, status = 1000, RUN_FINISHED, 0
+                except Exception as error:  # a hook raised: no checkpoint is written after it
+                    traceback.print_exc()
+                    code, reason, status = 1011, f"{SERVER_FAILED}: {type(error).__name__}", 1
+                ticker.cancel()
+                # Stop accepting first, then close every open connection with the reason, the
+                # newest too; a handshake still in progress is refused (HTTP 503).
+                server.close(code=code, reason=reason)
+                await server.wait_closed()
+            if status == 0:
+                _, log = self.algo.build_train_info(self.global_step, {})
+                self.write_metrics("end", log)  # no value since the last learn is lost
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        print(f"\n{reason}: global step {self.global_step}, {self.learns} learns", flush=True)
+        if status == 0:
+            print(text_chart(self.curve), flush=True)
+        return status
+
+
+# --- The run directory: checkpoints, metrics.jsonl, TensorBoard, the curve ------------------------
+
+def save_checkpoint(run_dir: str, checkpoint: Checkpoint, server_counters: dict,
+                    keep: int = 3) -> str:
+    """Write a checkpoint to a temporary file, then rename it: a crash never damages the last."""
     folder = os.path.join(run_dir, "checkpoints")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"step_{checkpoint.step:012d}.pt")
-    payload = {"step": checkpoint.step, "model": checkpoint.model, "optimizer": checkpoint.optimizer,
-               "meta": checkpoint.meta, "server": server_counters}  # not asdict(): it deep-copies every tensor
+    payload = {"step": checkpoint.step, "model": checkpoint.model,
+               "optimizer": checkpoint.optimizer, "meta": checkpoint.meta,
+               "server": server_counters}  # not dataclasses.asdict: it deep-copies every tensor
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     buffer.seek(0)
     try:  # a checkpoint that cannot be resumed from must fail the run now, not at --resume
         torch.load(buffer, weights_only=True)
     except Exception as error:
-        raise TypeError("create_checkpoint returned a value that torch.load(weights_only=True) refuses: keep "
-                        "tensors and plain Python values (numpy scalars and arrays are the usual culprits)") from error
+        raise TypeError("create_checkpoint returned a value that torch.load(weights_only=True) "
+                        "refuses: keep tensors and plain Python values (numpy scalars and "
+                        "arrays are the usual culprits)") from error
     with open(path + ".tmp", "wb") as file:
         file.write(buffer.getbuffer())
         file.flush()
@@ -517,8 +1192,9 @@ def save_checkpoint(run_dir: str, checkpoint: Checkpoint, server_counters: dict,
 
 
 def load_newest_checkpoint(run_dir: str) -> tuple[Checkpoint, dict]:
-    """The newest checkpoint that loads (a damaged one is skipped), and the server's counters saved with it."""
-    for path in sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step_*.pt")), reverse=True):
+    """The newest checkpoint that loads (a damaged one is skipped), and the server's counters."""
+    pattern = os.path.join(run_dir, "checkpoints", "step_*.pt")
+    for path in sorted(glob.glob(pattern), reverse=True):
         try:
             payload = torch.load(path, weights_only=True)
         except Exception as error:  # a file cut short by a crash: fall back to the one before
@@ -529,308 +1205,124 @@ def load_newest_checkpoint(run_dir: str) -> tuple[Checkpoint, dict]:
     raise FileNotFoundError(f"nothing to resume in {run_dir}: no loadable checkpoints/step_*.pt")
 
 
-class Server:
-    """One run: the algorithm behind a WebSocket endpoint, writing to its run directory.
-
-    Client handlers only validate and queue messages; one control task talks to the algorithm,
-    so no hook ever runs concurrently with another (learn runs in a worker thread, alone).
-    """
-
-    def __init__(self, algo: BaseAlgorithm, run_dir: str, names: tuple[str, str], *,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES, feedback_timeout: float = 60.0,
-                 token: str | None = None, global_step: int = 0, policy_version: int = 0,
-                 learn_threads: int | None = None):
-        self.algo, self.run_dir = algo, run_dir
-        self.max_message_bytes, self.feedback_timeout, self.token = max_message_bytes, feedback_timeout, token
-        self.global_step, self.version = global_step, policy_version
-        policy = algo.policy
-        self.obs_spec = {key: (tuple(shape), np.dtype(dtype)) for key, (shape, dtype) in policy.obs_spec.items()}
-        self.action_shape = (policy.action_horizon, policy.action_dim)
-        self.metadata = {"message_type": "metadata", "protocol_version": PROTOCOL_VERSION,
-                         "policy": names[0], "algorithm": names[1],
-                         "obs_spec": {key: {"shape": list(shape), "dtype": dtype.name}
-                                      for key, (shape, dtype) in self.obs_spec.items()},
-                         "action_dim": policy.action_dim, "action_horizon": policy.action_horizon}
-        self.connections = set()  # the open ones: a connection leaves as soon as it is closed or rejected
-        self.inbox = []  # validated messages, in arrival order
-        self.waiting = []  # infer requests held while should_learn() is true
-        self.stop_requested, self.learned_at = False, 0.0
-        self.tasks = set()  # background tasks (asyncio keeps only weak references to them)
-        self.infer_calls, self.inferred_envs, self.frames, self.learns = 0, 0, 0, 0
-        self.feedback_log, self.last_log = {}, {}
-        self.started = self.shown_at = time.perf_counter()
-        # Every learn() runs in this one OS thread, with all of torch's threads (its batches are large). Not
-        # asyncio.to_thread: torch's thread count and OpenMP team are per OS thread, and it may switch workers.
-        self.learn_executor = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="learn", initializer=torch.set_num_threads,
-            initargs=(learn_threads or torch.get_num_threads(),))
-
-    # --- the wire side: one task per connection --------------------------------------------
-
-    def check_token(self, connection, request):
-        """process_request hook: refuse, at the handshake, a client without the run's token."""
-        if self.token is None:
-            return None
-        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        if not hmac.compare_digest(given, f"Bearer {self.token}".encode()):  # constant time
-            return connection.respond(401, "missing or wrong token\n")
+def open_tensorboard(run_dir: str):
+    """A TensorBoard writer on the run directory, or None without the tensorboard package."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # optional: metrics.jsonl is the record either way
         return None
-
-    async def handle_client(self, ws) -> None:
-        """Send the metadata, then validate and queue every message; a bad one closes this connection alone."""
-        conn = Connection(ws)
-        self.connections.add(conn)
-        try:
-            await ws.send(pack_message(self.metadata))
-            async for frame in ws:
-                try:
-                    self.inbox.append(self.accept(conn, unpack_message(frame)))
-                except Exception as error:  # whatever a client sends costs only its own connection
-                    if not isinstance(error, ProtocolError):
-                        error = ProtocolError(f"malformed message ({type(error).__name__}: {error})")
-                    await self.reject(conn, error)
-                    return
-                self.wake.set()
-        except websockets.ConnectionClosed:
-            pass
-        finally:
-            # Queued infers of a closed connection are skipped; its fed frames were complete messages.
-            self.connections.discard(conn)
-
-    async def reject(self, conn: Connection, error: ProtocolError) -> None:
-        """Tell the client what was wrong, then close its connection (and no other)."""
-        self.connections.discard(conn)
-        try:
-            await conn.ws.send(pack_message({"message_type": "error", "message": str(error), "hint": error.hint}))
-            await conn.ws.close(1008, str(error).encode()[:120].decode(errors="ignore"))
-        except websockets.ConnectionClosed:
-            pass
-
-    def accept(self, conn: Connection, message: dict) -> tuple:
-        """Check one message against the protocol and this connection's state; return the queued item."""
-        kind = message.get("message_type")
-        if kind not in ("infer", "feedback"):
-            raise ProtocolError(f"unknown message_type {str(kind)[:40]!r}", "clients send 'infer' or 'feedback'")
-        indices = message.get("env_indices")
-        if not (isinstance(indices, np.ndarray) and indices.dtype == np.int64 and indices.ndim == 1):
-            raise ProtocolError("env_indices must be an int64 array [n]")
-        env_ids = indices.tolist()
-        if len(set(env_ids)) != len(env_ids) or min(env_ids, default=0) < 0:
-            raise ProtocolError("env_indices must be distinct and non-negative", "send each environment once")
-        obs = self.check_obs(message.get("obs"), len(env_ids))
-        if kind == "infer":
-            slots = [conn.slots[i] if i in conn.slots else conn.slots.setdefault(i, EnvSlot()) for i in env_ids]
-            if any(slot.waiting or slot.step for slot in slots):
-                raise ProtocolError("infer for an environment that owes feedback for its last action",
-                                    "send feedback after every action, before the next infer")
-            for slot in slots:
-                slot.waiting = True
-            return ("infer", conn, indices, obs)
-        m = len(env_ids)
-        reward, terminated, truncated = (message.get(key) for key in ("reward", "terminated", "truncated"))
-        if not (isinstance(reward, np.ndarray) and reward.dtype.kind in "iuf" and reward.shape[:1] == (m,)
-                and reward.ndim in (1, 2) and np.isfinite(reward).all()):
-            raise ProtocolError("reward must be finite numbers [m] (or [m, k] for 'stack')")
-        for name, flags in (("terminated", terminated), ("truncated", truncated)):
-            if not (isinstance(flags, np.ndarray) and flags.dtype == np.bool_ and flags.shape == (m,)):
-                raise ProtocolError(f"{name} must be a bool array [m]")
-        info = message.get("info", {})
-        if not isinstance(info, dict) or not all(isinstance(leaf, np.ndarray) and leaf.shape[:1] == (m,)
-                                                 for leaf in _leaves(info)):
-            raise ProtocolError("info must be a dict whose arrays are batched [m, ...]")
-        episode = info.get("episode")
-        # record_episode_metrics reads these as numbers: a bad one must not reach the algorithm.
-        if episode is not None and not (isinstance(episode, dict) and all(
-                isinstance(episode.get(key), np.ndarray) and episode[key].shape == (m,)
-                and np.isfinite(episode[key]).all() for key in ("r", "l", "s", "mask"))):
-            raise ProtocolError("info['episode'] needs finite numbers r, l, s and a bool mask, each [m]")
-        slots = [conn.slots.get(i) for i in env_ids]
-        if any(slot is None or slot.step is None for slot in slots):
-            raise ProtocolError("feedback for an environment that has no action",
-                                "send feedback only for the environments of the last action message")
-        steps = [slot.step for slot in slots]
-        for slot in slots:
-            slot.step = None
-        conn.owed -= m
-        return ("feedback", conn, steps, slots, obs, reward, terminated.tolist(), truncated.tolist(), info)
-
-    def check_obs(self, obs, n: int) -> dict:
-        """Observations must match the policy's obs_spec exactly, batched [n, ...], and be finite."""
-        if not isinstance(obs, dict) or obs.keys() != self.obs_spec.keys():
-            raise ProtocolError(f"obs keys {sorted(obs) if isinstance(obs, dict) else obs!r} are not the policy's "
-                                f"{sorted(self.obs_spec)}", "send the keys of obs_spec in the metadata")
-        for key, (shape, dtype) in self.obs_spec.items():
-            array = obs[key]
-            if not (isinstance(array, np.ndarray) and array.shape == (n, *shape) and array.dtype == dtype):
-                got = f"{array.dtype} {list(array.shape)}" if isinstance(array, np.ndarray) else type(array).__name__
-                raise ProtocolError(f"obs[{key!r}] is {got}, the policy reads {dtype} {[n, *shape]}",
-                                    "match obs_spec in the metadata")
-            if dtype.kind == "f" and not np.isfinite(array).all():
-                raise ProtocolError(f"obs[{key!r}] holds NaN or infinity", "check the environment's observations")
-        return obs
-
-    # --- the algorithm side: one control task ---------------------------------------------
-
-    async def control_loop(self) -> None:
-        """Route feedback, learn while should_learn(), save, stop, then answer the waiting infers."""
-        while True:
-            await self.wake.wait()
-            self.wake.clear()
-            inbox, self.inbox = self.inbox, []
-            for item in inbox:
-                if item[0] == "feedback":
-                    self.route_feedback(*item[1:])
-                else:
-                    self.waiting.append(item)
-            # No inference while should_learn() is true; learn again if it stays true.
-            while self.algo.should_learn():
-                await self.learn_once()
-            stop = self.stop_requested or self.algo.should_stop()
-            if stop or self.algo.should_save():
-                save_checkpoint(self.run_dir, self.algo.create_checkpoint(),
-                                {"global_step": self.global_step, "policy_version": self.version})
-            if stop:
-                return
-            if self.waiting:
-                await self.infer_waiting()
-            self.drop_silent_clients()
-            self.show_progress()
-
-    def route_feedback(self, conn, steps, slots, next_obs, reward, terminated, truncated, info) -> None:
-        """The routing rule: feedback() for frames that will be stored, discard_feedback() for the rest."""
-        for j, ((batch, row), slot) in enumerate(zip(steps, slots)):
-            obs, runtime_state, train_state, version = batch
-            env_info = slice_rows(info, j)
-            # A replay-buffer learner (not on_policy) stores every frame that has a step state; an on-policy
-            # one only frames whose action came from the current policy, while no learn is due.
-            if not self.algo.on_policy or (version == self.version and not self.algo.should_learn()):
-                slot.prev_node, self.global_step, log = self.algo.feedback(
-                    obs=slice_rows(obs, row), runtime_state=slice_rows(runtime_state, row),
-                    train_state=slice_rows(train_state, row), terminated=slot.terminated,
-                    truncated=slot.truncated, next_obs=slice_rows(next_obs, j),
-                    reward=reward[j] if reward.ndim == 2 else float(reward[j]), info=env_info,
-                    next_terminated=terminated[j], next_truncated=truncated[j], prev_node=slot.prev_node)
-                self.feedback_log.update(log)
-            else:
-                self.algo.discard_feedback(info=env_info, next_terminated=terminated[j], next_truncated=truncated[j])
-            slot.terminated, slot.truncated = terminated[j], truncated[j]
-        self.frames += len(steps)
-
-    async def learn_once(self) -> None:
-        """pre_learn, learn() in a worker thread (the event loop keeps answering), post_learn, new version."""
-        self.algo.pre_learn()
-        self.global_step, log = await asyncio.get_running_loop().run_in_executor(self.learn_executor, self.algo.learn)
-        self.learned_at = time.monotonic()  # the feedback clock stood still while learning
-        self.algo.post_learn()
-        self.version += 1
-        self.learns += 1
-        elapsed = time.perf_counter() - self.started
-        log = {**self.feedback_log, **log, "server/policy_version": self.version, "server/fps": self.frames / elapsed,
-               "server/mean_batch_size": self.inferred_envs / max(self.infer_calls, 1)}
-        self.feedback_log = {}
-        if log.get("rollout/episodes", 1):  # keep the last learn that saw episodes for the progress line
-            self.last_log = log
-        plain = {key: value.item() if hasattr(value, "item") else value for key, value in log.items()}  # tensors too
-        self.metrics.write(json.dumps({"step": self.global_step, "time": round(elapsed, 3), **plain}) + "\n")
-
-    async def infer_waiting(self) -> None:
-        """One infer() for every waiting client: concatenate, infer, derive_train_state, split, send."""
-        batch = [item for item in self.waiting if item[1] in self.connections]
-        self.waiting = []
-        if not batch:
-            return
-        obs = {key: np.concatenate([item[3][key] for item in batch]) for key in self.obs_spec}
-        action, runtime_state = self.algo.infer(obs)
-        train_state = self.algo.derive_train_state(runtime_state)
-        action = np.asarray(action, np.float32)
-        n = len(obs[next(iter(obs))])
-        if action.shape != (n, *self.action_shape):
-            raise RuntimeError(f"infer returned actions {list(action.shape)}, expected {[n, *self.action_shape]}")
-        step, row = (obs, runtime_state, train_state, self.version), 0
-        self.infer_calls, self.inferred_envs = self.infer_calls + 1, self.inferred_envs + n
-        now = time.monotonic()
-        for _, conn, indices, _ in batch:
-            for i in indices.tolist():
-                slot = conn.slots[i]
-                slot.waiting, slot.step, row = False, (step, row), row + 1
-            if conn.owed == 0:
-                conn.owed_since = now
-            conn.owed += len(indices)
-            reply = pack_message({"message_type": "action", "env_indices": indices,
-                                  "action": action[row - len(indices):row]})
-            try:
-                await conn.ws.send(reply)
-            except websockets.ConnectionClosed:
-                pass
-
-    def drop_silent_clients(self) -> None:
-        """A client owing feedback for --feedback-timeout seconds is dropped; time spent learning does not count."""
-        limit = time.monotonic() - self.feedback_timeout
-        for conn in list(self.connections):
-            if conn.owed and max(conn.owed_since, self.learned_at) < limit:
-                self.connections.discard(conn)  # once: the task below runs after this pass
-                error = ProtocolError(f"no feedback for {self.feedback_timeout:g} s",
-                                      "send feedback after every action")
-                task = asyncio.create_task(self.reject(conn, error))
-                self.tasks.add(task)
-                task.add_done_callback(self.tasks.discard)
-
-    def show_progress(self) -> None:
-        """One progress line, refreshed in place on a terminal every second, a plain line every 10 s otherwise."""
-        now = time.perf_counter()
-        tty = sys.stdout.isatty()
-        if now - self.shown_at < (1.0 if tty else 10.0):
-            return
-        self.shown_at = now
-        line = (f"step {self.global_step}/{self.algo.config.global_steps} | "
-                f"{self.frames / (now - self.started):.0f} fps | "
-                f"rollout/reward {self.last_log.get('rollout/reward', float('nan')):.2f} | "
-                f"batch {self.inferred_envs / max(self.infer_calls, 1):.1f}")
-        print("\r" + line if tty else line, end="" if tty else "\n", flush=True)
-
-    async def tick(self) -> None:
-        """Wake the control loop twice a second, so timeouts, progress and should_stop are checked while idle."""
-        while True:
-            await asyncio.sleep(0.5)
-            self.wake.set()
-
-    def request_stop(self) -> None:
-        """SIGINT/SIGTERM: finish the current step, write a final checkpoint, tell the clients, exit 0."""
-        self.stop_requested = True
-        self.wake.set()
-
-    async def run(self, host: str, port: int, on_listening=None) -> int:
-        """Serve until should_stop() (exit status 0) or an algorithm error (status 1)."""
-        self.wake = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, self.request_stop)
-        os.makedirs(self.run_dir, exist_ok=True)
-        with open(os.path.join(self.run_dir, "metrics.jsonl"), "a", buffering=1) as self.metrics:
-            async with serve(self.handle_client, host, port, max_size=self.max_message_bytes, compression=None,
-                             process_request=self.check_token) as server:
-                port = server.sockets[0].getsockname()[1]
-                print(f"listening on ws://{host}:{port}", flush=True)
-                if on_listening is not None:
-                    on_listening(port)
-                ticker = asyncio.create_task(self.tick())
-                try:
-                    await self.control_loop()
-                    code, reason, status = 1000, RUN_FINISHED, 0
-                except Exception as error:  # an algorithm hook raised: no checkpoint is written after it
-                    traceback.print_exc()
-                    code, reason, status = 1011, f"{SERVER_FAILED}: {type(error).__name__}", 1
-                ticker.cancel()
-                await asyncio.gather(*(conn.ws.close(code, reason) for conn in list(self.connections)),
-                                     return_exceptions=True)
-        print(f"\n{reason}: global step {self.global_step}, {self.learns} learns", flush=True)
-        return status
+    return SummaryWriter(run_dir)
 
 
-def _leaves(tree):
-    """Every non-dict value of a nested dict."""
-    for value in tree.values():
-        yield from _leaves(value) if isinstance(value, dict) else (value,)
+def text_chart(curve: list, rows: int = 12, width: int = 40) -> str:
+    """The learning curve in the terminal: rollout/reward against frames, a dozen rows."""
+    if not curve:
+        return "rollout/reward: no episode finished, nothing to chart"
+    if len(curve) > rows:  # evenly spaced learns, the first and the last among them
+        curve = [curve[round(i * (len(curve) - 1) / (rows - 1))] for i in range(rows)]
+    low = min(reward for _, reward in curve)
+    high = max(reward for _, reward in curve)
+    lines = [f"{'frames':>10} {'rollout/reward':>15}"]
+    for frames, reward in curve:
+        bar = "#" * (1 + round((width - 1) * (reward - low) / ((high - low) or 1)))
+        lines.append(f"{frames:>10} {reward:>15.2f}  {bar}")
+    return "\n".join(lines)
+
+
+# --- Input checks: a first reading skips these ------------------------------------------------
+# Messages come from other processes, in any language: every field is checked against the
+# protocol reference in README.md, and a bad one gets an error naming the field and what it
+# must be. The algorithm only ever sees messages that passed.
+
+def describe(value) -> str:
+    """How an error names what it received: 'int64 [4, 1]', 'a list', 'nothing'."""
+    if isinstance(value, np.ndarray):
+        return f"{value.dtype.name} {list(value.shape)}"
+    return "nothing (the field is missing)" if value is None else f"a {type(value).__name__}"
+
+
+def require(ok: bool, field: str, expected: str, value) -> None:
+    """Raise a ProtocolError naming the field, what it must be, and what came, unless ok."""
+    if not ok:
+        raise ProtocolError(f"{field} must be {expected}; got {describe(value)}", PROTOCOL_HINT)
+
+
+def check_message(message: dict, obs_spec: dict) -> str:
+    """Check an infer or feedback message field by field; returns its message_type."""
+    kind = message.get("message_type")
+    if kind not in ("infer", "feedback"):
+        raise ProtocolError(f"message_type must be 'infer' or 'feedback'; got {str(kind)[:40]!r}",
+                            PROTOCOL_HINT)
+    indices = message.get("env_indices")
+    require(isinstance(indices, np.ndarray) and indices.dtype == np.int64 and indices.ndim == 1,
+            f"{kind}.env_indices", "int64 [n]", indices)
+    env_ids = indices.tolist()
+    if len(set(env_ids)) != len(env_ids) or min(env_ids, default=0) < 0:
+        raise ProtocolError(f"{kind}.env_indices must be distinct and non-negative; got "
+                            f"{str(env_ids)[:60]}", "send each environment once per message")
+    n = len(env_ids)
+    check_obs(message.get("obs"), obs_spec, n, f"{kind}.obs")
+    if kind == "infer":
+        return kind
+    reward = message.get("reward")
+    require(isinstance(reward, np.ndarray) and reward.dtype.kind == "f" and reward.ndim in (1, 2)
+            and reward.shape[0] == n and reward.dtype.itemsize >= 4, "feedback.reward",
+            f"float32 or float64 [m] (or [m, k]) with m = {n}", reward)
+    if not np.isfinite(reward).all():
+        raise ProtocolError("feedback.reward holds NaN or infinity", PROTOCOL_HINT)
+    for name in ("terminated", "truncated"):
+        flags = message.get(name)
+        require(isinstance(flags, np.ndarray) and flags.dtype == np.bool_ and flags.shape == (n,),
+                f"feedback.{name}", f"bool [m] with m = {n}", flags)
+    info = message.get("info", {})
+    require(isinstance(info, dict), "feedback.info", "a dict of arrays [m, ...], or left out", info)
+    for path, leaf in _leaves(info, "feedback.info"):
+        require(isinstance(leaf, np.ndarray) and leaf.shape[:1] == (n,), path,
+                f"an array [m, ...] with m = {n}", leaf)
+    episode = info.get("episode")
+    if episode is not None:
+        require(isinstance(episode, dict), "feedback.info.episode", "a dict of r, l, s, mask",
+                episode)
+        for key, kinds, expected in (("r", "f", "float"), ("l", "iu", "int"), ("s", "b", "bool"),
+                                     ("mask", "b", "bool")):
+            value = episode.get(key)
+            require(isinstance(value, np.ndarray) and value.dtype.kind in kinds
+                    and value.shape == (n,) and np.isfinite(value).all(),
+                    f"feedback.info.episode.{key}",
+                    f"{expected} [m] with m = {n}", value)
+    return kind
+
+
+def check_obs(obs, obs_spec: dict, n: int, field: str) -> None:
+    """Observations must match the policy's obs_spec exactly, batched [n, ...], and be finite."""
+    if not (isinstance(obs, dict) and obs.keys() == obs_spec.keys()):
+        got = sorted(obs) if isinstance(obs, dict) else describe(obs)
+        raise ProtocolError(f"{field} must have the keys {sorted(obs_spec)} of obs_spec; got {got}",
+                            PROTOCOL_HINT)
+    for key, (shape, dtype) in obs_spec.items():
+        array = obs[key]
+        require(isinstance(array, np.ndarray) and array.dtype == dtype and array.shape == (n, *shape),
+                f"{field}.{key}", f"{dtype.name} {[n, *shape]}", array)
+        if dtype.kind == "f" and not np.isfinite(array).all():
+            raise ProtocolError(f"{field}.{key} holds NaN or infinity",
+                                "check the environment's observations")
+
+
+def check_action(action, n: int, shape: tuple, dtype) -> np.ndarray:
+    """infer()'s actions as the wire sends them; a wrong shape is the algorithm's own bug."""
+    action = np.asarray(action, dtype)
+    if action.shape != (n, *shape):
+        raise RuntimeError(f"infer returned actions {list(action.shape)}, expected {[n, *shape]}")
+    return action
+
+
+def _leaves(tree: dict, path: str = ""):
+    """(dotted path, value) of every non-dict value of a nested dict."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{path}.{key}")
+        else:
+            yield f"{path}.{key}", value
 
 
 # ===== 7. Environment client: environments, executing a decision, the rollout loop =====
@@ -839,29 +1331,40 @@ def _leaves(tree):
 class VecEnv:
     """num_envs environments stepped together in numpy; every built-in environment is one.
 
-    Subclasses write _reset(rows), _step(action, rows) -> (reward, terminated, success) and _observe().
+    A subclass sets obs_dim, action_dim (or num_actions, for discrete actions) and max_steps, and
+    writes _reset(rows), _step(action, rows) -> (reward, terminated, success) and _observe().
+    Register it with @register_env("my-env-v0") to run it with env-client or --local-env.
     """
 
-    obs_dim, action_dim, max_steps = 3, 1, 10**9
+    obs_dim = 3
+    action_dim = 1
+    num_actions = None  # None: continuous actions in [-1, 1]; else int64 choices 0..num_actions-1
+    max_steps = 10**9  # truncation after this many physical steps
 
     def __init__(self, num_envs: int, seed: int | None = None):
-        self.num_envs, self.rng = num_envs, np.random.default_rng(seed)
+        self.num_envs = num_envs
+        self.rng = np.random.default_rng(seed)
         self.obs_spec = {"state": ((self.obs_dim,), "float32")}
-        self.episode_return, self.episode_length = np.zeros(num_envs), np.zeros(num_envs, np.int64)
-        self.terminated, self.truncated, self.success = (np.zeros(num_envs, bool) for _ in range(3))
+        self.episode_return = np.zeros(num_envs)
+        self.episode_length = np.zeros(num_envs, np.int64)
+        self.terminated = np.zeros(num_envs, bool)
+        self.truncated = np.zeros(num_envs, bool)
+        self.success = np.zeros(num_envs, bool)
 
     def reset(self, indices=None) -> dict:
-        """Start new episodes in the given environments (all by default); returns every observation."""
+        """Start new episodes in the given environments (all by default); every observation."""
         rows = np.arange(self.num_envs) if indices is None else np.asarray(indices, np.int64)
         self._reset(rows)
-        for array in (self.episode_return, self.episode_length, self.terminated, self.truncated, self.success):
+        for array in (self.episode_return, self.episode_length, self.terminated, self.truncated,
+                      self.success):
             array[rows] = 0
         return {"state": self._observe()}
 
     def step(self, action, active=None) -> tuple:
-        """One physical step of the active environments; the others stand still (same obs, reward 0, same flags).
+        """One physical step of the active environments; the others stand still (reward 0).
 
-        Returns (obs, reward, terminated, truncated, info); info["episode"] (r, l, s, mask) holds finished episodes.
+        Returns (obs, reward, terminated, truncated, info); info["episode"] holds the episodes
+        that ended in this step: r (return), l (length), s (success), mask (ended here).
         """
         active = np.ones(self.num_envs, bool) if active is None else np.asarray(active, bool)
         rows = np.flatnonzero(active)
@@ -873,21 +1376,26 @@ class VecEnv:
         self.truncated[rows] = ~terminated & (self.episode_length[rows] >= self.max_steps)
         done = active & (self.terminated | self.truncated)
         episode = {"r": np.where(done, self.episode_return, 0).astype(np.float32),
-                   "l": np.where(done, self.episode_length, 0), "s": done & self.success, "mask": done}
-        return {"state": self._observe()}, reward, self.terminated.copy(), self.truncated.copy(), {"episode": episode}
+                   "l": np.where(done, self.episode_length, 0), "s": done & self.success,
+                   "mask": done}
+        return ({"state": self._observe()}, reward, self.terminated.copy(), self.truncated.copy(),
+                {"episode": episode})
 
 
+@register_env("dummy-v1")
 class DummyEnv(VecEnv):
-    """dummy-v1: a point on [-1, 1] must reach a target. obs [x, target, target - x], action moves x by 0.2·a.
+    """dummy-v1: a point on [-1, 1] must reach a target. obs [x, target, target - x].
 
-    Reward -|target - x| per step; the episode terminates (a success) within 0.05 of the target,
-    truncates after 50 steps. A random policy scores about -25, a good one about -3.
+    The action moves x by 0.2 * a. Reward -|target - x| a step; the episode terminates (a
+    success) within 0.05 of the target and truncates after 50 steps. The untrained dummy-policy
+    scores about -31, uniform random actions about -29, a good policy about -3.
     """
 
     max_steps = 50
 
     def __init__(self, num_envs, seed=None):
-        self.x, self.target = np.zeros(num_envs), np.zeros(num_envs)
+        self.x = np.zeros(num_envs)
+        self.target = np.zeros(num_envs)
         super().__init__(num_envs, seed)
 
     def _reset(self, rows):
@@ -906,13 +1414,15 @@ class DummyEnv(VecEnv):
         return state[:, 0], np.zeros(len(state), np.float32)
 
 
+@register_env("pendulum-v1")
 class PendulumEnv(VecEnv):
-    """pendulum-v1: Gymnasium's Pendulum-v1 in numpy. obs [cos θ, sin θ, θ̇]; action in [-1, 1] is torque / 2."""
+    """pendulum-v1: Gymnasium's Pendulum-v1 in numpy. obs [cos θ, sin θ, θ'], torque = 2 * a."""
 
     max_steps = 200
 
     def __init__(self, num_envs, seed=None):
-        self.theta, self.theta_dot = np.zeros(num_envs), np.zeros(num_envs)
+        self.theta = np.zeros(num_envs)
+        self.theta_dot = np.zeros(num_envs)
         super().__init__(num_envs, seed)
 
     def _reset(self, rows):
@@ -925,20 +1435,65 @@ class PendulumEnv(VecEnv):
         theta, theta_dot = self.theta[rows], self.theta_dot[rows]
         upright = (theta + np.pi) % (2 * np.pi) - np.pi
         cost = upright**2 + 0.1 * theta_dot**2 + 0.001 * u**2
-        theta_dot = np.clip(theta_dot + (3 * g / (2 * length) * np.sin(theta) + 3.0 / (m * length**2) * u) * dt, -8, 8)
-        self.theta[rows], self.theta_dot[rows] = theta + theta_dot * dt, theta_dot
+        theta_acc = 3 * g / (2 * length) * np.sin(theta) + 3.0 / (m * length**2) * u
+        theta_dot = np.clip(theta_dot + theta_acc * dt, -8, 8)
+        self.theta[rows] = theta + theta_dot * dt
+        self.theta_dot[rows] = theta_dot
         return -cost, np.zeros(len(rows), bool), np.abs(upright) < 0.1
 
     def _observe(self):
-        return np.stack([np.cos(self.theta), np.sin(self.theta), self.theta_dot], axis=1).astype(np.float32)
+        return np.stack([np.cos(self.theta), np.sin(self.theta), self.theta_dot],
+                        axis=1).astype(np.float32)
 
     def position_velocity(self, state):
         """What a tracking controller steers: the angle θ and its rate."""
         return np.arctan2(state[:, 1], state[:, 0]), state[:, 2]
 
 
+@register_env("cartpole-v1")
+class CartPoleEnv(VecEnv):
+    """cartpole-v1: Gymnasium's CartPole-v1 in numpy. obs [x, x', θ, θ']; action 0 pushes left.
+
+    Reward 1 a step; the episode terminates when the pole leans past 12 degrees or the cart
+    leaves [-2.4, 2.4], and truncates after 500 steps (a success). Random actions score about 22.
+    """
+
+    obs_dim = 4
+    num_actions = 2
+    max_steps = 500
+
+    def __init__(self, num_envs, seed=None):
+        self.state = np.zeros((num_envs, 4))  # float64, as Gymnasium keeps it
+        super().__init__(num_envs, seed)
+
+    def _reset(self, rows):
+        self.state[rows] = self.rng.uniform(-0.05, 0.05, (len(rows), 4))
+
+    def _step(self, action, rows):
+        gravity, cart_mass, pole_mass, half_length, tau = 9.8, 1.0, 0.1, 0.5, 0.02
+        total_mass = cart_mass + pole_mass
+        x, x_dot, theta, theta_dot = self.state[rows].T
+        force = np.where(action[:, 0] == 1, 10.0, -10.0)
+        cos, sin = np.cos(theta), np.sin(theta)
+        # Gymnasium's equations, in its order of operations, so the floats agree exactly.
+        temp = (force + pole_mass * half_length * theta_dot**2 * sin) / total_mass
+        theta_acc = (gravity * sin - cos * temp) / (
+            half_length * (4.0 / 3.0 - pole_mass * cos**2 / total_mass))
+        x_acc = temp - pole_mass * half_length * theta_acc * cos / total_mass
+        # Euler steps: positions move with the old velocities.
+        x, theta = x + tau * x_dot, theta + tau * theta_dot
+        x_dot, theta_dot = x_dot + tau * x_acc, theta_dot + tau * theta_acc
+        self.state[rows] = np.stack([x, x_dot, theta, theta_dot], axis=1)
+        fallen = (np.abs(x) > 2.4) | (np.abs(theta) > 12 * 2 * math.pi / 360)
+        return np.ones(len(rows)), fallen, ~fallen
+
+    def _observe(self):
+        return self.state.astype(np.float32)
+
+
+@register_env("counting-v1")
 class CountingEnv(VecEnv):
-    """counting-v1: obs = physical steps taken this episode, reward 1 a step; env i terminates after 4 + i."""
+    """counting-v1: obs = physical steps taken this episode, reward 1 a step; env i ends at 4 + i."""
 
     obs_dim = 1
 
@@ -946,14 +1501,15 @@ class CountingEnv(VecEnv):
         pass  # the step count is the base class's episode_length
 
     def _step(self, action, rows):
-        return np.ones(len(rows)), self.episode_length[rows] + 1 >= 4 + rows, np.ones(len(rows), bool)
+        ended = self.episode_length[rows] + 1 >= 4 + rows
+        return np.ones(len(rows)), ended, np.ones(len(rows), bool)
 
     def _observe(self):
         return self.episode_length[:, None].astype(np.float32)
 
 
 class GymEnv(VecEnv):
-    """gym:ENV_ID: any Gymnasium environment with a Box action space; actions in [-1, 1] are scaled to it."""
+    """gym:ENV_ID: a Gymnasium environment with a Box (scaled from [-1, 1]) or Discrete actions."""
 
     def __init__(self, env_id, num_envs, seed=None):
         try:
@@ -961,16 +1517,22 @@ class GymEnv(VecEnv):
         except ImportError:
             raise SystemExit(f"gym:{env_id} needs gymnasium: pip install gymnasium") from None
         made = [gymnasium.make(env_id) for _ in range(num_envs)]
-        self.envs = [env.unwrapped for env in made]  # the time limit is kept as max_steps below
+        self.envs = [env.unwrapped for env in made]  # the time limit is kept as max_steps
         space = made[0].action_space
-        if not isinstance(space, gymnasium.spaces.Box):
-            raise SystemExit(f"gym:{env_id} has a {type(space).__name__} action space; only Box is supported")
-        self.low, self.high = space.low, space.high
-        self.obs_dim, self.action_dim = int(np.prod(made[0].observation_space.shape)), int(np.prod(space.shape))
+        if isinstance(space, gymnasium.spaces.Discrete):
+            self.num_actions = int(space.n)
+            self.first_action = int(space.start)
+        elif isinstance(space, gymnasium.spaces.Box):
+            self.action_dim = int(np.prod(space.shape))
+            self.low, self.high = space.low, space.high
+        else:
+            raise SystemExit(f"gym:{env_id} has a {type(space).__name__} action space; "
+                             "plugrl_min runs Box and Discrete ones")
+        self.obs_dim = int(np.prod(made[0].observation_space.shape))
         self.max_steps = made[0].spec.max_episode_steps or 10**9
         self.last = np.zeros((num_envs, self.obs_dim), np.float32)
         for i, env in enumerate(self.envs if seed is not None else []):
-            env.reset(seed=seed + i)  # seeds each environment's generator once; later resets continue it
+            env.reset(seed=seed + i)  # seeds each environment's generator; later resets go on
         super().__init__(num_envs, seed)
 
     def _reset(self, rows):
@@ -978,35 +1540,47 @@ class GymEnv(VecEnv):
             self.last[i] = np.ravel(self.envs[i].reset()[0])
 
     def _step(self, action, rows):
-        reward, terminated, success = np.zeros(len(rows)), np.zeros(len(rows), bool), np.zeros(len(rows), bool)
+        reward = np.zeros(len(rows))
+        terminated = np.zeros(len(rows), bool)
+        success = np.zeros(len(rows), bool)
         for j, i in enumerate(rows):
-            scaled = self.low + (np.clip(action[j], -1, 1) + 1) / 2 * (self.high - self.low)
-            obs, reward[j], terminated[j], _, info = self.envs[i].step(scaled)
-            self.last[i], success[j] = np.ravel(obs), info.get("is_success", False)
+            if self.num_actions is not None:
+                act = int(action[j, 0]) + self.first_action
+            else:
+                act = self.low + (np.clip(action[j], -1, 1) + 1) / 2 * (self.high - self.low)
+            obs, reward[j], terminated[j], _, info = self.envs[i].step(act)
+            self.last[i] = np.ravel(obs)
+            success[j] = info.get("is_success", False)
         return reward, terminated, success
 
     def _observe(self):
         return self.last.copy()
 
 
-ENVIRONMENTS = {"dummy-v1": DummyEnv, "pendulum-v1": PendulumEnv, "counting-v1": CountingEnv}
-
-
 def make_env(env_id: str, num_envs: int = 1, seed: int | None = None) -> VecEnv:
-    """A built-in environment by id, or gym:ENV_ID for a Gymnasium one."""
+    """A registered environment by id, or gym:ENV_ID for a Gymnasium one."""
     if env_id.startswith("gym:"):
         return GymEnv(env_id[4:], num_envs, seed)
     if env_id not in ENVIRONMENTS:
-        raise ValueError(f"unknown environment {env_id!r}; known: {', '.join(ENVIRONMENTS)}, gym:ENV_ID")
+        raise ValueError(f"unknown environment {env_id!r}; registered: {', '.join(ENVIRONMENTS)}, "
+                         "gym:ENV_ID (a plug-in adds more with register_env and --plugin)")
     return ENVIRONMENTS[env_id](num_envs, seed)
+
+
+def action_space(action_dim: int, num_actions: int | None) -> str:
+    """How messages name an action space: 'continuous, action_dim 1' or 'discrete, 2 actions'."""
+    if num_actions is None:
+        return f"continuous, action_dim {action_dim}"
+    return f"discrete, {num_actions} actions"
 
 
 # --- Executing a decision: one server action, one or more physical steps ---------------------
 
 class Controller:
-    """A low-level controller: at every physical step, (obs, decision, state) -> (physical action, state).
+    """A low-level controller: at every physical step, (obs, decision, state) -> (action, state).
 
-    A state is an array or a dict of arrays batched along axis 0, one row per environment.
+    A state is an array or a dict of arrays with one row per environment. Only the rows of
+    environments still running are passed in, and the rows that come back are stored.
     """
 
     decision_dim = 1
@@ -1017,23 +1591,26 @@ class Controller:
 
     def reset_state(self, state, indices):
         """The state with the rows of `indices` started over (their environments were reset)."""
-        n = len(next(_leaves(state))) if isinstance(state, dict) else len(state)
-        return _where_rows(np.isin(np.arange(n), indices), self.initial_state(n), state)
+        n = len(next(_leaves(state))[1]) if isinstance(state, dict) else len(state)
+        _put_rows(state, indices, slice_rows(self.initial_state(n), indices))
+        return state
 
     def __call__(self, obs: dict, decision: np.ndarray, state):
-        """The physical action [n, action_dim] and the new state."""
+        """The physical action [k, action_dim] and the new state, for k running environments."""
         raise NotImplementedError
 
 
-def _where_rows(mask, new, old):
-    """Rows of new where mask is true, rows of old elsewhere (arrays, or dicts of arrays)."""
-    if isinstance(old, dict):
-        return {key: _where_rows(mask, new[key], value) for key, value in old.items()}
-    return np.where(mask.reshape(-1, *[1] * (np.ndim(old) - 1)), new, old)
+def _put_rows(tree, rows, values) -> None:
+    """tree[rows] = values, for an array or a dict of arrays (in place)."""
+    if isinstance(tree, dict):
+        for key in tree:
+            _put_rows(tree[key], rows, values[key])
+    else:
+        tree[rows] = values
 
 
 class PassThroughController(Controller):
-    """For counting-v1: the physical action is the decision; the state counts the calls per environment."""
+    """For counting-v1: the action is the decision; the state counts the calls per environment."""
 
     def initial_state(self, n):
         return np.zeros(n, np.int64)
@@ -1043,13 +1620,16 @@ class PassThroughController(Controller):
 
 
 class TrackingController(Controller):
-    """For dummy-v1 and pendulum-v1: a PD law that steers the position toward the decision as a target.
+    """For dummy-v1 and pendulum-v1: a PD law that steers the position toward the decision.
 
-    The server's policy sets targets once per round trip; this runs at every physical step.
+    The server's policy sets a target once per round trip; this acts at every physical step.
     """
 
     def __init__(self, env: VecEnv, kp: float = 5.0, kd: float = 1.0, scale: float = 1.0):
-        self.env, self.kp, self.kd, self.scale = env, kp, kd, scale
+        self.env = env
+        self.kp = kp
+        self.kd = kd
+        self.scale = scale
 
     def __call__(self, obs, decision, state):
         position, velocity = self.env.position_velocity(obs["state"])
@@ -1058,13 +1638,13 @@ class TrackingController(Controller):
 
 
 def make_controller(name: str, env: VecEnv) -> Controller:
-    """A built-in controller by name: pass-through (counting-v1) or track (dummy-v1, pendulum-v1)."""
+    """A built-in controller: pass-through (counting-v1) or track (dummy-v1, pendulum-v1)."""
     if name == "pass-through":
         return PassThroughController()
     if name == "track" and hasattr(env, "position_velocity"):
         return TrackingController(env, scale=np.pi if isinstance(env, PendulumEnv) else 1.0)
-    raise ValueError(f"unknown controller {name!r} for this environment; known: pass-through, track "
-                     "(track needs dummy-v1 or pendulum-v1)")
+    raise ValueError(f"unknown controller {name!r} for this environment; known: pass-through, "
+                     "track (track needs dummy-v1 or pendulum-v1)")
 
 
 REWARD_AGGREGATIONS = ("sum", "mean", "last", "stack")
@@ -1072,35 +1652,42 @@ REWARD_AGGREGATIONS = ("sum", "mean", "last", "stack")
 
 def execute_decision(env: VecEnv, obs: dict, steps: int, physical_action, reward_aggregation: str,
                      stack_observations: bool = False) -> tuple:
-    """The inner loop shared by MultiAction and ClosedLoopMultiAction.
+    """The inner loop of MultiAction and ClosedLoopMultiAction: up to `steps` physical steps.
 
-    physical_action(t, obs, active) gives the action of physical step t. An environment that ends stops
-    stepping for the rest of the decision; the frame's observation and flags are its last executed step's.
+    physical_action(t, obs, active) gives the action of step t. An environment that ends stops
+    stepping for the rest of the decision; the frame's observation and flags are those of its
+    last executed step.
     """
     n = env.num_envs
-    active, executed = np.ones(n, bool), np.zeros(n, np.int64)
+    active = np.ones(n, bool)
+    executed = np.zeros(n, np.int64)
     rewards = np.zeros((n, steps), np.float32)
-    seen, episode = [obs], None
+    seen = []  # the observation after every physical step
+    episode = None
     for t in range(steps):
-        obs, rewards[:, t], terminated, truncated, info = env.step(physical_action(t, obs, active), active)
+        obs, rewards[:, t], terminated, truncated, info = env.step(
+            physical_action(t, obs, active), active)
         executed += active
-        finished = info["episode"]  # keep each environment's episode from the step where it ended
-        episode = finished if episode is None else {key: np.where(finished["mask"], value, episode[key])
-                                                    for key, value in finished.items()}
+        finished = info["episode"]  # each environment's episode, from the step where it ended
+        episode = finished if episode is None else {
+            key: np.where(finished["mask"], value, episode[key]) for key, value in finished.items()}
         active &= ~(terminated | truncated)
         seen.append(obs)
         if not active.any():
             break
+    # stack keeps `steps` columns while an environment still runs, and one trailing zero when
+    # every environment stopped early (MultiAction's ragged convention).
+    width = min(steps, executed.max() + 1)
     if reward_aggregation == "sum":
         reward = rewards.sum(1)
     elif reward_aggregation == "mean":
         reward = rewards.sum(1) / executed  # every environment executes the first step
     elif reward_aggregation == "last":
         reward = rewards[np.arange(n), executed - 1]
-    else:  # stack: zero-filled to `steps` while some env still runs, one trailing zero if all stopped early
-        reward = rewards[:, :min(steps, executed.max() + 1)]
-    if stack_observations:  # observations after each physical step, the last one repeated to `steps`
-        seen = seen[1:] + [seen[-1]] * (steps + 1 - len(seen))
+    else:
+        reward = rewards[:, :width]
+    if stack_observations:  # as many observations as stacked rewards, the last one repeated
+        seen += [seen[-1]] * (width - len(seen))
         obs = {key: np.stack([o[key] for o in seen], axis=1) for key in obs}
     return obs, reward, terminated, truncated, {"episode": episode, "executed_steps": executed}
 
@@ -1116,9 +1703,13 @@ def _check_choice(steps, reward_aggregation, name="steps"):
 class MultiAction:
     """Open loop: an action chunk [n, H, action_dim] executed step by step, up to replan_steps."""
 
-    def __init__(self, env: VecEnv, replan_steps: int | None = None, reward_aggregation: str = "sum"):
-        _check_choice(1 if replan_steps is None else replan_steps, reward_aggregation, "replan_steps")
-        self.env, self.replan_steps, self.reward_aggregation = env, replan_steps, reward_aggregation
+    def __init__(self, env: VecEnv, replan_steps: int | None = None,
+                 reward_aggregation: str = "sum"):
+        _check_choice(1 if replan_steps is None else replan_steps, reward_aggregation,
+                      "replan_steps")
+        self.env = env
+        self.replan_steps = replan_steps
+        self.reward_aggregation = reward_aggregation
         self.obs = None
 
     def reset(self, indices=None) -> dict:
@@ -1127,13 +1718,14 @@ class MultiAction:
         return self.obs
 
     def step(self, action) -> tuple:
-        """Execute one chunk; returns (obs, reward, terminated, truncated, info) of the whole decision."""
+        """Execute one chunk: (obs, reward, terminated, truncated, info) of the whole decision."""
         chunk = np.asarray(action)
-        if (chunk.ndim != 3 or chunk.shape[0] != self.env.num_envs or chunk.shape[1] < 1
-                or chunk.shape[2] != self.env.action_dim):
-            raise ValueError(f"action chunk must be [{self.env.num_envs}, H >= 1, {self.env.action_dim}], "
-                             f"got {list(chunk.shape)}")
-        steps = chunk.shape[1] if self.replan_steps is None else min(chunk.shape[1], self.replan_steps)
+        n, dim = self.env.num_envs, self.env.action_dim
+        if chunk.ndim != 3 or chunk.shape[0] != n or chunk.shape[1] < 1 or chunk.shape[2] != dim:
+            raise ValueError(f"action chunk must be [{n}, H >= 1, {dim}], got {list(chunk.shape)}")
+        steps = chunk.shape[1]
+        if self.replan_steps is not None:
+            steps = min(steps, self.replan_steps)
         result = execute_decision(self.env, self.obs, steps, lambda t, obs, active: chunk[:, t],
                                   self.reward_aggregation)
         self.obs = result[0]
@@ -1141,106 +1733,150 @@ class MultiAction:
 
 
 class ClosedLoopMultiAction:
-    """Closed loop: a decision [n, decision_dim] held for `steps` physical steps, acted out by a controller
-    that sees the fresh observation at every step. With steps=1 it is exactly one plain step.
+    """Closed loop: a decision [n, decision_dim] held for `steps` physical steps, acted out by a
+    controller that sees the fresh observation at every step. With steps=1, one plain step.
     """
 
-    def __init__(self, env: VecEnv, controller: Controller, steps: int, reward_aggregation: str = "sum",
-                 stack_observations: bool = False):
+    def __init__(self, env: VecEnv, controller: Controller, steps: int,
+                 reward_aggregation: str = "sum", stack_observations: bool = False):
         _check_choice(steps, reward_aggregation)
-        self.env, self.controller, self.steps = env, controller, int(steps)
-        self.reward_aggregation, self.stack_observations = reward_aggregation, stack_observations
-        self.state, self.obs = controller.initial_state(env.num_envs), None
+        self.env = env
+        self.controller = controller
+        self.steps = int(steps)
+        self.reward_aggregation = reward_aggregation
+        self.stack_observations = stack_observations
+        self.state = controller.initial_state(env.num_envs)
+        self.obs = None
 
     def reset(self, indices=None) -> dict:
-        """Reset all or some environments and their controller state; returns every observation."""
+        """Reset all or some environments and their controller state; every observation."""
         self.obs = self.env.reset(indices)
-        self.state = (self.controller.initial_state(self.env.num_envs) if indices is None
-                      else self.controller.reset_state(self.state, np.asarray(indices, np.int64)))
+        if indices is None:
+            self.state = self.controller.initial_state(self.env.num_envs)
+        else:
+            self.state = self.controller.reset_state(self.state, np.asarray(indices, np.int64))
         return self.obs
 
     def step(self, decision) -> tuple:
-        """Execute one decision; returns (obs, reward, terminated, truncated, info) of the whole decision."""
+        """Execute one decision: (obs, reward, terminated, truncated, info) of the whole decision."""
         decision = np.asarray(decision, np.float32)
-        if decision.shape != (self.env.num_envs, self.controller.decision_dim):
-            raise ValueError(f"decision must be [{self.env.num_envs}, {self.controller.decision_dim}], "
-                             f"got {list(decision.shape)}")
+        expected = (self.env.num_envs, self.controller.decision_dim)
+        if decision.shape != expected:
+            raise ValueError(f"decision must be {list(expected)}, got {list(decision.shape)}")
 
         def physical_action(t, obs, active):
-            action, state = self.controller(obs, decision, self.state)
-            # A finished environment's controller state stays frozen until its reset.
-            self.state = _where_rows(active, state, self.state)
-            return action
+            # Finished environments stop executing the controller: only running rows go in,
+            # so a controller with side effects never acts for them, and their state stays.
+            rows = np.flatnonzero(active)
+            action, state = self.controller(slice_rows(obs, rows), decision[rows],
+                                            slice_rows(self.state, rows))
+            _put_rows(self.state, rows, state)
+            action = np.asarray(action)
+            full = np.zeros((self.env.num_envs, *action.shape[1:]), action.dtype)
+            full[rows] = action
+            return full
 
-        result = execute_decision(self.env, self.obs, self.steps, physical_action, self.reward_aggregation,
-                                  self.stack_observations)
-        # With stacked observations, the newest one is the last of the stack.
-        self.obs = {key: value[:, -1] for key, value in result[0].items()} if self.stack_observations else result[0]
+        result = execute_decision(self.env, self.obs, self.steps, physical_action,
+                                  self.reward_aggregation, self.stack_observations)
+        obs = result[0]
+        if self.stack_observations:  # the newest observation is the last of the stack
+            obs = {key: value[:, -1] for key, value in obs.items()}
+        self.obs = obs
         return result
 
 
-# --- The rollout loop ------------------------------------------------------------------------
+# --- The rollout loop -------------------------------------------------------------------------
 
-async def _connect(args):
-    """Connect to the server, retrying with backoff for --connect-timeout seconds."""
+@dataclasses.dataclass
+class Tally:
+    """What the env client counts for its summary."""
+
+    returns: list = dataclasses.field(default_factory=list)  # of every finished episode
+    env_steps: int = 0  # physical steps
+    decisions: int = 0  # frames: one per environment per action received
+
+
+async def run_episodes(ws, executor, num_episodes: int, tally: Tally) -> None:
+    """The client's loop: infer, execute the decision, send feedback, reset what finished."""
+    env = executor.env
+    closed_loop = isinstance(executor, ClosedLoopMultiAction)
+    check_metadata(unpack_message(await ws.recv()), executor, closed_loop)
+    env_indices = np.arange(env.num_envs, dtype=np.int64)
+    while len(tally.returns) < num_episodes:
+        infer = {"message_type": "infer", "env_indices": env_indices, "obs": executor.obs}
+        await ws.send(pack_message(infer))
+        reply = unpack_message(await ws.recv())
+        if reply.get("message_type") == "error":
+            raise SystemExit(f"the server refused a message: {reply['message']} "
+                             f"(hint: {reply['hint']})")
+        action = reply["action"]  # [n, H, action_dim]
+        if closed_loop:
+            action = action[:, 0]  # one decision [n, decision_dim]
+        obs, reward, terminated, truncated, info = executor.step(action)
+        done = terminated | truncated
+        # The feedback carries the observation the episode ended on; the next infer, the
+        # observation the new episode starts from.
+        if done.any():
+            executor.reset(np.flatnonzero(done))
+        episode = info["episode"]
+        tally.returns += episode["r"][episode["mask"]].tolist()
+        tally.env_steps += int(info["executed_steps"].sum())
+        tally.decisions += env.num_envs
+        feedback = {"message_type": "feedback", "env_indices": env_indices, "obs": obs,
+                    "reward": reward, "terminated": terminated, "truncated": truncated,
+                    "info": {"episode": episode} if episode["mask"].any() else {}}
+        await ws.send(pack_message(feedback))
+
+
+def check_metadata(meta: dict, executor, closed_loop: bool) -> None:
+    """Stop with a clear message when the server's policy does not fit this environment."""
+    if meta.get("message_type") != "metadata" or meta.get("protocol_version") != PROTOCOL_VERSION:
+        raise SystemExit(f"the server speaks protocol {meta.get('protocol_version')}, "
+                         f"this client {PROTOCOL_VERSION}")
+    env = executor.env
+    mine = {key: {"shape": list(shape), "dtype": np.dtype(dtype).str}
+            for key, (shape, dtype) in env.obs_spec.items()}
+    problems = []
+    if meta["obs_spec"] != mine:
+        problems.append(f"the policy reads observations {meta['obs_spec']}, this environment "
+                        f"gives {mine}")
+    server_space = action_space(meta["action_dim"], meta.get("num_actions"))
+    if closed_loop:
+        needed = action_space(executor.controller.decision_dim, None)
+    else:
+        needed = action_space(env.action_dim, env.num_actions)
+    if server_space != needed:
+        problems.append(f"the policy's actions are {server_space}, this client needs {needed}")
+    if closed_loop and meta["action_horizon"] != 1:
+        problems.append(f"a closed loop takes one decision, the policy sends "
+                        f"{meta['action_horizon']}")
+    if problems:
+        raise SystemExit("the server's policy does not fit this environment: "
+                         + "; ".join(problems))
+
+
+async def connect_to_server(args):
+    """Connect, retrying with backoff for --connect-timeout s; None if the run has ended."""
     uri = f"ws://{args.server_host}:{args.server_port}"
     headers = {"Authorization": f"Bearer {args.token}"} if args.token else None
-    deadline, delay = time.monotonic() + args.connect_timeout, 0.05
+    deadline = time.monotonic() + args.connect_timeout
+    delay = 0.05
     while True:
         try:
             return await connect(uri, additional_headers=headers, max_size=args.max_message_bytes,
                                  compression=None, proxy=None)
         except websockets.InvalidStatus as error:
-            raise SystemExit(f"the server refused the connection (HTTP {error.response.status_code}): "
-                             "wrong or missing --token?") from None
+            status = error.response.status_code
+            if status == 503:  # the server is closing: its run has ended
+                return None
+            raise SystemExit(f"the server refused the connection (HTTP {status}): wrong or "
+                             "missing --token?") from None
         except (OSError, asyncio.TimeoutError, websockets.InvalidHandshake) as error:
             if time.monotonic() > deadline:
-                raise SystemExit(f"no server at {uri} after {args.connect_timeout:g} s ({error})") from None
+                raise SystemExit(f"no server at {uri} after {args.connect_timeout:g} s "
+                                 f"({error})") from None
             await asyncio.sleep(delay)
             delay = min(2 * delay, 1.0)
-
-
-def _check_metadata(meta: dict, executor, closed_loop: bool) -> None:
-    """Stop with a clear message when the server's policy does not fit this environment."""
-    if meta.get("message_type") != "metadata" or meta.get("protocol_version") != PROTOCOL_VERSION:
-        raise SystemExit(f"the server speaks protocol {meta.get('protocol_version')}, this client {PROTOCOL_VERSION}")
-    env = executor.env
-    decision_dim = executor.controller.decision_dim if closed_loop else env.action_dim
-    mine = {key: {"shape": list(shape), "dtype": np.dtype(dtype).name} for key, (shape, dtype) in env.obs_spec.items()}
-    problems = []
-    if meta["obs_spec"] != mine:
-        problems.append(f"the policy reads observations {meta['obs_spec']}, this environment gives {mine}")
-    if meta["action_dim"] != decision_dim:
-        problems.append(f"the policy acts with action_dim {meta['action_dim']}, this client needs {decision_dim}")
-    if closed_loop and meta["action_horizon"] != 1:
-        problems.append(f"a closed loop takes one decision, the policy sends {meta['action_horizon']}")
-    if problems:
-        raise SystemExit("the server's policy does not fit this environment: " + "; ".join(problems)
-                         + " (set --policy.obs-dim / --policy.action-dim on the server)")
-
-
-async def _run_episodes(ws, executor, num_episodes: int, tally: dict):
-    """Infer, execute, feed back, reset finished environments, until num_episodes have finished."""
-    env, closed_loop = executor.env, isinstance(executor, ClosedLoopMultiAction)
-    _check_metadata(unpack_message(await ws.recv()), executor, closed_loop)
-    indices = np.arange(env.num_envs, dtype=np.int64)
-    while len(tally["returns"]) < num_episodes:
-        await ws.send(pack_message({"message_type": "infer", "env_indices": indices, "obs": executor.obs}))
-        reply = unpack_message(await ws.recv())
-        if reply.get("message_type") == "error":
-            raise SystemExit(f"the server refused a message: {reply['message']} (hint: {reply['hint']})")
-        action = reply["action"][:, 0] if closed_loop else reply["action"]
-        obs, reward, terminated, truncated, info = executor.step(action)
-        done = terminated | truncated
-        if done.any():  # the frame carries the terminal observation; the next infer the reset one
-            executor.reset(np.flatnonzero(done))
-        episode = info["episode"]
-        tally["returns"] += episode["r"][episode["mask"]].tolist()
-        tally["env_steps"] += int(info["executed_steps"].sum())
-        tally["decisions"] += env.num_envs
-        info = {"episode": episode} if episode["mask"].any() else {}  # only finished episodes travel
-        await ws.send(pack_message({"message_type": "feedback", "env_indices": indices, "obs": obs, "reward": reward,
-                                    "terminated": terminated, "truncated": truncated, "info": info}))
 
 
 async def run_env_client(args) -> int:
@@ -1249,18 +1885,21 @@ async def run_env_client(args) -> int:
     if args.closed_loop_steps is None:
         executor = MultiAction(env, reward_aggregation=args.reward_aggregation)
     else:
-        executor = ClosedLoopMultiAction(env, make_controller(args.controller, env), args.closed_loop_steps,
-                                         args.reward_aggregation)
+        executor = ClosedLoopMultiAction(env, make_controller(args.controller, env),
+                                         args.closed_loop_steps, args.reward_aggregation)
     executor.reset()
-    tally = {"returns": [], "env_steps": 0, "decisions": 0}
+    tally = Tally()
     start = None
     while True:
-        ws = await _connect(args)
+        ws = await connect_to_server(args)
         start = start or time.perf_counter()
+        if ws is None:
+            ending = "the server ended the run"
+            break
         try:
             async with ws:
-                await _run_episodes(ws, executor, args.num_episodes, tally)
-            ending = f"finished {len(tally['returns'])} episodes"
+                await run_episodes(ws, executor, args.num_episodes, tally)
+            ending = f"finished {len(tally.returns)} episodes"
             break
         except websockets.ConnectionClosed as closed:
             reason = closed.rcvd.reason if closed.rcvd else ""
@@ -1269,16 +1908,18 @@ async def run_env_client(args) -> int:
                 break
             if reason.startswith(SERVER_FAILED):
                 raise SystemExit(f"the server failed ({reason}); see its log") from None
-            # Any other loss: the server restarted or the network blinked. The decision in flight is
-            # dropped (the new server never gave its action) and the environments carry on.
+            # Any other loss: the server restarted or the network blinked. The decision in
+            # flight is dropped (the new server never gave that action); the environments go on.
             print(f"lost the server ({closed}); reconnecting", file=sys.stderr)
     seconds = time.perf_counter() - start
-    returns = tally.pop("returns")
-    summary = {"episodes": len(returns), **tally, "mean_return": float(np.mean(returns)) if returns else float("nan"),
-               "seconds": seconds, "returns": returns}
-    print(f"{ending}: {summary['episodes']} episodes, mean return {summary['mean_return']:.2f}, "
-          f"{summary['env_steps']} env steps, {summary['decisions']} decisions, {seconds:.1f} s, "
-          f"{summary['env_steps'] / seconds:.0f} env steps/s", flush=True)
+    returns = tally.returns
+    mean_return = float(np.mean(returns)) if returns else float("nan")
+    summary = {"episodes": len(returns), "env_steps": tally.env_steps,
+               "decisions": tally.decisions, "mean_return": mean_return, "seconds": seconds,
+               "returns": returns}
+    print(f"{ending}: {len(returns)} episodes, mean return {mean_return:.2f}, "
+          f"{tally.env_steps} env steps, {tally.decisions} decisions, {seconds:.1f} s, "
+          f"{tally.env_steps / max(seconds, 1e-9):.0f} env steps/s", flush=True)
     if args.summary_json:
         with open(args.summary_json, "w") as file:
             json.dump(summary, file)
@@ -1288,10 +1929,17 @@ async def run_env_client(args) -> int:
 # ===== 8. Command line: the server (POLICY VARIANT ALGO VARIANT) and the env-client =====
 # PlugRL page: plugrl-run-server and plugrl-run-env-client, flags from the config dataclasses.
 
+USAGE = """\
+usage: python plugrl_min.py POLICY VARIANT ALGO VARIANT [--algo.FIELD V] [--policy.FIELD V] [...]
+       python plugrl_min.py env-client ENV_ID [--server-port P] [--num-episodes N] [...]
+add --help after all four words for every flag; --plugin MODULE imports a plug-in first"""
+
+
 def _flag_type(hint):
     """A converter for one config field's type: int, float, str, bool, or one of these | None."""
     options = [arg for arg in typing.get_args(hint) if arg is not type(None)] or [hint]
-    base, optional = options[0], type(None) in typing.get_args(hint)
+    base = options[0]
+    optional = type(None) in typing.get_args(hint)
 
     def convert(text):
         if optional and text.lower() == "none":
@@ -1302,7 +1950,7 @@ def _flag_type(hint):
             return text.lower() in ("true", "1")
         return base(text) if base in (int, float, str) else json.loads(text)
 
-    convert.__name__ = getattr(base, "__name__", "value")  # argparse says "invalid int value: 'x'"
+    convert.__name__ = getattr(base, "__name__", "value")  # argparse: "invalid int value: 'x'"
     return convert
 
 
@@ -1325,89 +1973,121 @@ def _registered(table) -> str:
     return ", ".join(f"{uid} ({', '.join(variants)})" for uid, variants in sorted(uids.items()))
 
 
+def _listing() -> str:
+    """What is registered: policies, algorithms and environments (plug-ins included)."""
+    return (f"policies: {_registered(_POLICY_CONFIGS)}\n"
+            f"algorithms: {_registered(_ALGO_CONFIGS)}\n"
+            f"environments (env-client, --local-env): {', '.join(ENVIRONMENTS)}, gym:ENV_ID")
+
+
 def _choose(table, kind: str, uid: str, variant: str):
-    """The registered config of (uid, variant), or a one-line error listing the known ones."""
+    """The registered config of (uid, variant), or a one-line error that says what to do."""
     if (uid, variant) not in table:
-        raise SystemExit(f"error: unknown {kind} {uid!r} variant {variant!r}; known: {_registered(table)}")
+        hint = "" if any(known == uid for known, _ in table) else (
+            f"; if {uid!r} is defined in a plug-in module, add --plugin MODULE")
+        raise SystemExit(f"error: unknown {kind} {uid!r} variant {variant!r}; known: "
+                         f"{_registered(table)}{hint}")
     return dataclasses.replace(table[(uid, variant)])
 
 
-USAGE = """usage: python plugrl_min.py POLICY VARIANT ALGO VARIANT [--algo.FIELD V] [--policy.FIELD V] [server flags]
-       python plugrl_min.py env-client ENV_ID [--server-host H] [--server-port P] [--num-episodes N] ...
-       add --help after POLICY VARIANT, or after all four, to see more; --plugin MODULE imports a plug-in first"""
+def fitting_env(policy: BaseTorchPolicy) -> str | None:
+    """The first registered environment whose observations and actions fit the policy."""
+    for env_id, env_class in ENVIRONMENTS.items():
+        fits_obs = policy.obs_spec == {"state": ((env_class.obs_dim,), "float32")}
+        if fits_obs and env_class.num_actions == policy.num_actions and (
+                policy.num_actions is not None or env_class.action_dim == policy.action_dim):
+            return env_id
+    return None
 
 
 def _server_args(argv: list[str]) -> tuple:
-    """The four words, their configs (--policy.* and --algo.* applied) and the checked server flags; --help exits."""
+    """The four words, their configs with --policy.* and --algo.* applied, the server flags."""
     words = []
     for word in argv[:4]:
         if word.startswith("-"):
             break
         words.append(word)
-    if len(words) < 2:
-        print(f"{USAGE}\n\npolicies: {_registered(_POLICY_CONFIGS)}\nalgorithms: {_registered(_ALGO_CONFIGS)}\n"
-              f"environments (env-client): {', '.join(ENVIRONMENTS)}, gym:ENV_ID")
+    if len(words) < 4:  # one listing for every incomplete command, --help or not
+        print(f"{USAGE}\n\n{_listing()}")
         raise SystemExit(0 if {"-h", "--help"} & set(argv) else 2)
     policy_config = _choose(_POLICY_CONFIGS, "policy", *words[:2])
-    if len(words) < 4:
-        print(f"usage: python plugrl_min.py {words[0]} {words[1]} ALGO VARIANT [flags]\n\n"
-              f"algorithms: {_registered(_ALGO_CONFIGS)}")
-        raise SystemExit(0 if {"-h", "--help"} & set(argv) else 2)
     algo_config = _choose(_ALGO_CONFIGS, "algorithm", *words[2:4])
-    parser = argparse.ArgumentParser(prog=f"python plugrl_min.py {' '.join(words)}",
-                                     description="Serve this policy and algorithm to env clients over WebSocket.")
+    parser = argparse.ArgumentParser(
+        prog=f"python plugrl_min.py {' '.join(words)}",
+        description="Serve this policy and algorithm to env clients over WebSocket.")
     _add_config_flags(parser, "policy", policy_config)
     _add_config_flags(parser, "algo", algo_config)
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
-    parser.add_argument("--run-dir", help="where checkpoints and metrics go (default: runs/ALGO-TIME)")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
-    parser.add_argument("--seed", type=int, help="seeds torch and numpy on the server (and local clients)")
-    parser.add_argument("--local-env-clients", type=int, default=0, metavar="N",
-                        help="start N env clients beside the server, so one command trains")
-    parser.add_argument("--local-env", default="dummy-v1", help="environment of the local env clients")
-    parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help="larger frames close")
-    parser.add_argument("--feedback-timeout", type=float, default=60.0,
-                        help="drop a client that owes feedback this long (seconds)")
-    parser.add_argument("--token", default=os.environ.get("PLUGRL_TOKEN"),
-                        help="clients must present this token (default: $PLUGRL_TOKEN)")
+    add = parser.add_argument
+    add("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    add("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
+    add("--run-dir", help="where checkpoints and metrics go (default: runs/ALGO-TIME)")
+    add("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
+    add("--seed", type=int, help="seeds torch and numpy on the server (and local clients)")
+    add("--local-env-clients", type=int, default=0, metavar="N",
+        help="start N env clients beside the server, so one command trains")
+    add("--local-env", metavar="ENV_ID",
+        help="environment of the local env clients (default: the first that fits the policy)")
+    add("--local-num-envs", type=int, default=1, metavar="M",
+        help="environments per local env client")
+    add("--trace", type=int, default=0, metavar="N",
+        help="narrate the first N frames and the learns among them")
+    add("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help="larger frames close")
+    add("--feedback-timeout", type=float, default=60.0,
+        help="drop a client silent this long while it owes feedback (seconds)")
+    add("--token", default=os.environ.get("PLUGRL_TOKEN"),
+        help="clients must present this token (default: $PLUGRL_TOKEN)")
     args = parser.parse_args(argv[4:])
     for prefix, config in (("policy", policy_config), ("algo", algo_config)):
         for field in dataclasses.fields(config):
             setattr(config, field.name, getattr(args, f"{prefix}.{field.name}"))
-    shared = {f.name for f in dataclasses.fields(policy_config)} & {f.name for f in dataclasses.fields(algo_config)}
+    shared = ({f.name for f in dataclasses.fields(policy_config)}
+              & {f.name for f in dataclasses.fields(algo_config)})
     for name in sorted(shared):
-        print(f"warning: {name!r} is in both the policy and the algorithm config: keep it in one", file=sys.stderr)
+        print(f"warning: {name!r} is in both the policy and the algorithm config: keep it in one",
+              file=sys.stderr)
     if args.resume and not args.run_dir:
         raise SystemExit("error: --resume needs --run-dir DIR, the run to continue")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.token:
-        print(f"warning: serving on {args.host} without --token: anyone who can reach it can connect",
-              file=sys.stderr)
+        print(f"warning: serving on {args.host} without --token: anyone who can reach it can "
+              "connect", file=sys.stderr)
     return words, policy_config, algo_config, args
 
 
-def server_main(argv: list[str]) -> int:
-    """Parse the server command line, build policy and algorithm, optionally resume, and serve."""
+def _building(what: str, build):
+    """Run one build step; a failure keeps its traceback and ends with a line naming the step."""
+    try:
+        return build()
+    except KeyError as error:  # the page's symptom: the config was imported, the class was not
+        if "is not registered" not in str(error):
+            raise
+        raise SystemExit(f"KeyError: {error}") from None
+    except Exception:
+        traceback.print_exc()
+        raise SystemExit(f"error: building {what} failed (the traceback above says why)") from None
+
+
+def server_main(argv: list[str], plugins: list[str] = ()) -> int:
+    """Parse the server command line, build policy and algorithm, maybe resume, and serve."""
     words, policy_config, algo_config, args = _server_args(argv)
     run_dir = args.run_dir or os.path.join("runs", f"{words[2]}-{time.strftime('%Y%m%d-%H%M%S')}")
-    resolved = {"policy": words[0], "policy_variant": words[1], "policy_config": dataclasses.asdict(policy_config),
-                "algorithm": words[2], "algo_variant": words[3], "algo_config": dataclasses.asdict(algo_config),
+    resolved = {"policy": words[0], "policy_variant": words[1],
+                "policy_config": dataclasses.asdict(policy_config), "algorithm": words[2],
+                "algo_variant": words[3], "algo_config": dataclasses.asdict(algo_config),
                 "seed": args.seed}
     print(json.dumps(resolved, indent=2), flush=True)
     if args.seed is not None:
         torch.manual_seed(args.seed)
         np.random.seed(args.seed)
-    # Inference batches are small: the main thread answers fastest with one torch thread. Only the learn
-    # thread forms a multi-thread OpenMP team, set before anything is built: with more OpenMP threads than
-    # cores, every parallel region of learn waits for a helper thread to wake, about twice as slow.
+    # Inference batches are small: the main thread answers fastest with one torch thread. Only
+    # the learn thread uses them all (set before anything is built: more OpenMP threads than
+    # cores makes every parallel region of learn wait for a sleeping helper).
     learn_threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    policy = make_policy(words[0], policy_config)
-    try:
-        algo = make_algo(words[2], policy, algo_config)
-    except KeyError as error:  # the config module was imported, the class module was not
-        raise SystemExit(f"KeyError: {error}") from None
-    algo.init_optimizers()
+    policy = _building(f"policy {words[0]!r} from its config", lambda: make_policy(words[0],
+                                                                                policy_config))
+    algo = _building(f"algorithm {words[2]!r} from its config",
+                  lambda: make_algo(words[2], policy, algo_config))
+    _building(f"the optimizers of algorithm {words[2]!r}", algo.init_optimizers)
     counters = {}
     if args.resume:
         try:
@@ -1416,26 +2096,39 @@ def server_main(argv: list[str]) -> int:
             raise SystemExit(f"error: {error}") from None
         algo.load_checkpoint(checkpoint)
         print(f"resumed from step {checkpoint.step} in {run_dir}", flush=True)
+    local_env = args.local_env or fitting_env(policy)
+    if args.local_env_clients and local_env is None:
+        raise SystemExit("error: no registered environment fits this policy: name one with "
+                         "--local-env ENV_ID")
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.json"), "w") as file:
         json.dump(resolved, file, indent=2)
     server = Server(algo, run_dir, (words[0], words[2]), max_message_bytes=args.max_message_bytes,
-                    feedback_timeout=args.feedback_timeout, token=args.token, learn_threads=learn_threads,
-                    **counters)
+                    feedback_timeout=args.feedback_timeout, token=args.token,
+                    learn_threads=learn_threads, trace=args.trace, **counters)
+    plugin_flags = [flag for module in plugins for flag in ("--plugin", module)]
     clients = []
 
-    def start_local_clients(port):
+    def start_clients(port: int) -> None:
+        client_args = ["env-client", local_env or "ENV_ID", "--server-port", str(port),
+                       "--num-envs", str(args.local_num_envs), "--num-episodes", str(10**9),
+                       *plugin_flags]
+        if not args.local_env_clients:
+            print("no env clients yet: start one in another terminal with\n"
+                  f"  python {os.path.basename(__file__)} {' '.join(client_args)}\n"
+                  "or run this server with --local-env-clients 1 to do both in one command",
+                  flush=True)
         for i in range(args.local_env_clients):
             seed = [] if args.seed is None else ["--seed", str(args.seed + i)]
-            command = [sys.executable, os.path.abspath(__file__), "env-client", args.local_env,
-                       "--server-port", str(port), "--num-episodes", str(10**9), *seed]
-            clients.append(subprocess.Popen(command, env={**os.environ, "PLUGRL_TOKEN": args.token or ""},
-                                            stdout=subprocess.DEVNULL))
+            command = [sys.executable, os.path.abspath(__file__), *client_args, *seed]
+            clients.append(subprocess.Popen(command, stdout=subprocess.DEVNULL,
+                                            env={**os.environ, "PLUGRL_TOKEN": args.token or ""}))
 
     try:
-        return asyncio.run(server.run(args.host, args.port, start_local_clients))
+        return asyncio.run(server.run(args.host, args.port, start_clients))
     except OSError as error:  # the port is taken, or the address is not this machine's
-        raise SystemExit(f"error: cannot listen on {args.host}:{args.port}: {error.strerror or error}") from None
+        raise SystemExit(f"error: cannot listen on {args.host}:{args.port}: "
+                         f"{error.strerror or error}") from None
     finally:
         for client in clients:
             try:
@@ -1448,26 +2141,27 @@ def env_client_main(argv: list[str]) -> int:
     """Parse the env-client command line and run it."""
     parser = argparse.ArgumentParser(prog="python plugrl_min.py env-client",
                                      description="Run environments against a plugrl_min server.")
-    parser.add_argument("env_id", help=f"one of {', '.join(ENVIRONMENTS)}, or gym:ENV_ID")
-    parser.add_argument("--server-host", default="127.0.0.1")
-    parser.add_argument("--server-port", type=int, default=8000)
-    parser.add_argument("--num-episodes", type=int, default=1, help="stop after this many finished episodes")
-    parser.add_argument("--num-envs", type=int, default=1, help="environments stepped together")
-    parser.add_argument("--seed", type=int, help="seeds the environments")
-    parser.add_argument("--summary-json", help="write the summary here as one JSON object")
-    parser.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to wait for the server")
-    parser.add_argument("--token", default=os.environ.get("PLUGRL_TOKEN") or None, help="default: $PLUGRL_TOKEN")
-    parser.add_argument("--closed-loop-steps", type=int, metavar="K",
-                        help="hold each decision for K physical steps, acted out by --controller")
-    parser.add_argument("--controller", default="track", help="pass-through (counting-v1) or track (default)")
-    parser.add_argument("--reward-aggregation", default="sum", choices=REWARD_AGGREGATIONS)
-    parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES)
+    add = parser.add_argument
+    add("env_id", help=f"one of {', '.join(ENVIRONMENTS)}, or gym:ENV_ID")
+    add("--server-host", default="127.0.0.1")
+    add("--server-port", type=int, default=8000)
+    add("--num-episodes", type=int, default=1, help="stop after this many finished episodes")
+    add("--num-envs", type=int, default=1, help="environments stepped together")
+    add("--seed", type=int, help="seeds the environments")
+    add("--summary-json", help="write the summary here as one JSON object")
+    add("--connect-timeout", type=float, default=30.0, help="seconds to wait for the server")
+    add("--token", default=os.environ.get("PLUGRL_TOKEN") or None, help="default: $PLUGRL_TOKEN")
+    add("--closed-loop-steps", type=int, metavar="K",
+        help="hold each decision for K physical steps, acted out by --controller")
+    add("--controller", default="track", help="pass-through (counting-v1) or track (default)")
+    add("--reward-aggregation", default="sum", choices=REWARD_AGGREGATIONS)
+    add("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES)
     args = parser.parse_args(argv)
     if args.num_envs < 1 or args.num_episodes < 1:
         parser.error("--num-envs and --num-episodes must be at least 1")
     try:
         return asyncio.run(run_env_client(args))
-    except (SystemExit, ValueError) as error:  # SystemExit(message): the client's own clear stop, with its reason
+    except (SystemExit, ValueError) as error:  # SystemExit(message): a clear stop, with its reason
         if isinstance(error, SystemExit) and not isinstance(error.code, str):
             raise  # a bare exit status from elsewhere (a plug-in, a library) keeps its meaning
         print(f"env-client: {error}", file=sys.stderr)
@@ -1476,24 +2170,39 @@ def env_client_main(argv: list[str]) -> int:
         return 130
 
 
-def main(argv: list[str] | None = None) -> None:
-    """The command line. --plugin MODULE (anywhere, repeatable) is imported first; exits with the status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+def import_plugins(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Import every --plugin MODULE (anywhere on the line); returns (plug-ins, the other words)."""
     plugins = [argv[i + 1] for i, word in enumerate(argv[:-1]) if word == "--plugin"]
     plugins += [word.split("=", 1)[1] for word in argv if word.startswith("--plugin=")]
-    argv = [word for i, word in enumerate(argv) if word != "--plugin" and not word.startswith("--plugin=")
-            and (i == 0 or argv[i - 1] != "--plugin")]
-    for module in ["sac_example", *plugins]:
+    rest = [word for i, word in enumerate(argv) if word != "--plugin"
+            and not word.startswith("--plugin=") and (i == 0 or argv[i - 1] != "--plugin")]
+    for module in plugins:
+        if module.endswith(".py"):
+            name = module[:-3].replace("/", ".")
+            raise SystemExit(f"error: --plugin takes a module name, not a file: --plugin {name}")
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as error:
-            if module != "sac_example" or error.name != "sac_example":  # sac_example is optional
-                raise SystemExit(f"error: cannot import plug-in {module!r}: {error}") from None
-    sys.exit(env_client_main(argv[1:]) if argv[:1] == ["env-client"] else server_main(argv))
+            raise SystemExit(f"error: cannot import plug-in {module!r}: {error} (is its folder "
+                             "the current one, or on PYTHONPATH?)") from None
+    return plugins, rest
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The command line: the server, or env-client; exits with the status."""
+    plugins, argv = import_plugins(list(sys.argv[1:] if argv is None else argv))
+    try:  # sac is an example plug-in that ships beside this file
+        importlib.import_module("sac_example")
+    except ModuleNotFoundError as error:
+        if error.name != "sac_example":
+            raise
+    if argv[:1] == ["env-client"]:
+        sys.exit(env_client_main(argv[1:]))
+    sys.exit(server_main(argv, plugins))
 
 
 if __name__ == "__main__":
     # Run as a script, this file is module __main__. Register it as plugrl_min too, so a plug-in's
-    # `from plugrl_min import register_algo` reaches these registries instead of a second copy.
+    # `from plugrl_min import register_algo` reaches these registries, not a second copy.
     sys.modules["plugrl_min"] = sys.modules["__main__"]
     main()

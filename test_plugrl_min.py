@@ -103,9 +103,11 @@ def write_plugin(tmp_path, module: str, source: str) -> None:
     (tmp_path / f"{module}.py").write_text(source)
 
 
-def read_metrics(run_dir) -> list[dict]:
+def read_metrics(run_dir, event="learn") -> list[dict]:
+    """The lines of metrics.jsonl written at a learn (event="learn"), at the end ("end"), or all (None)."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as file:
-        return [json.loads(line) for line in file]
+        lines = [json.loads(line) for line in file]
+    return [line for line in lines if event is None or line["event"] == event]
 
 
 # =============================================================================================
@@ -1749,11 +1751,12 @@ def test_stack_observations_gives_every_physical_steps_observation():
     assert obs["state"][0, :, 0].tolist() == [1.0, 2.0, 3.0]
 
 
-def test_stack_observations_repeats_the_last_one_after_the_env_stops():
-    executor, _ = counting(1, 3, stack_observations=True)
+def test_stack_observations_has_as_many_observations_as_the_stacked_rewards():
+    executor, _ = counting(1, 3, mode="stack", stack_observations=True)
     decide(executor, 1)
-    obs, *_ = decide(executor, 1)
-    assert obs["state"][0, :, 0].tolist() == [4.0, 4.0, 4.0]
+    obs, reward, *_ = decide(executor, 1)  # one step runs, then the episode ends: [1, 0]
+    assert reward[0].tolist() == [1.0, 0.0]
+    assert obs["state"][0, :, 0].tolist() == [4.0, 4.0]  # the last observation repeated once
 
 
 def test_stack_observations_next_decision_starts_from_the_newest_observation():
