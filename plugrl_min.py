@@ -49,109 +49,212 @@ from websockets.asyncio.server import serve
 PROTOCOL_VERSION = 1
 
 
-# ===== 1. Wire format: one binary WebSocket frame per message, a JSON header then raw array bytes =====
+# ===== 1. Wire format: one binary WebSocket frame per message, a JSON header, raw array bytes =====
 # PlugRL page: the transport under infer() and feedback(). Nothing is ever unpickled.
 
 # Frame layout: [4-byte little-endian header length][JSON header][array 0 bytes][array 1 bytes]...
-# The header is {"message": <the message, arrays replaced by {"__array__": i}>, "arrays": [[dtype, shape], ...]}.
+# The header is {"message": <the message, each array replaced by {"__array__": i}>,
+#                "arrays": [[dtype, shape], ...]}.
+# The arrays' bytes follow the header in that order: C order, little-endian, no padding.
 _HEADER_LENGTH = struct.Struct("<I")
-_ALLOWED_DTYPES = {np.dtype(name).str: np.dtype(name) for name in (
-    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-    "float16", "float32", "float64")}
+_MAX_DEPTH = 64  # dicts and lists nested deeper are refused (a message needs a handful of levels)
+
+# The dtypes a frame may carry. A header spells one as numpy's dtype.str, "<f4" (what pack
+# writes; the byte order is in it), or by its name, "float32". Decoding looks up both in one dict.
+_DTYPE_NAMES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                "float16", "float32", "float64")
+_ALLOWED_DTYPES = {spelling: np.dtype(name)
+                   for name in _DTYPE_NAMES for spelling in (np.dtype(name).str, name)}
+_SPELLINGS = ", ".join(f"{np.dtype(name).str} or {name}" for name in _DTYPE_NAMES)
+# Encoding goes the other way, dtype -> "<f4", in a dict keyed by the dtype itself:
+# array.dtype.str would build a new string for every array.
+_WIRE_DTYPES = {np.dtype(name): np.dtype(name).str for name in _DTYPE_NAMES}
+
+# Made once: json.dumps(..., separators=...) would build a new encoder for every message.
+# check_circular=False: pack hands it a tree of dicts and lists just built, with no cycle to find.
+_HEADER_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False, check_circular=False)
 
 
 class ProtocolError(ValueError):
-    """A message that breaks the wire format or the protocol; `hint` says what the sender should do."""
+    """A message that breaks the wire format or the protocol; `hint` tells the sender what to do."""
 
-    def __init__(self, message: str, hint: str = "check the client against the message table in README.md"):
+    def __init__(self, message: str,
+                 hint: str = "check the client against the message table in README.md"):
         super().__init__(message)
         self.hint = hint
 
 
 def pack_message(message: dict) -> bytes:
-    """Encode a dict (of JSON values and numpy arrays, nested) into one binary frame."""
-    arrays = []
+    """Encode a dict (of JSON values and numpy arrays, nested) into one binary frame.
 
-    def encode(value):
-        if isinstance(value, dict):
-            if "__array__" in value:
+    Keys are strings; json writes int, float, bool and None keys as strings and refuses others.
+    """
+    arrays, specs = [], []  # the arrays in frame order, and their (dtype, shape) for the header
+
+    def encode(container, depth):
+        """A copy of a dict, list or tuple in which each array is replaced by {"__array__": i}."""
+        if depth > _MAX_DEPTH:
+            raise ProtocolError(f"the message nests over {_MAX_DEPTH} levels deep, or holds itself")
+        if isinstance(container, dict):
+            if "__array__" in container:
                 raise ProtocolError("the key '__array__' is reserved by the wire format")
-            return {str(key): encode(item) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [encode(item) for item in value]
-        if isinstance(value, (np.ndarray, np.generic)):
-            array = np.asarray(value, order="C")  # C order; unlike ascontiguousarray, keeps 0-d arrays 0-d
-            if array.dtype.str not in _ALLOWED_DTYPES:
-                raise ProtocolError(f"cannot send dtype {array.dtype}: only bool, int, uint and float arrays")
-            arrays.append(array)
-            return {"__array__": len(arrays) - 1}
-        return value
+            copy, items = dict(container), container.items()
+        else:
+            copy, items = list(container), enumerate(container)
+        # Arrays and plain values are handled in this loop: one call per dict or list. The plain
+        # form, encode(value) for every value, makes 14 calls for a feedback message instead of 4.
+        for key, value in items:
+            if isinstance(value, (np.ndarray, np.generic)):
+                array = np.asarray(value, order="C")  # unlike ascontiguousarray, keeps 0-d as 0-d
+                dtype = _WIRE_DTYPES.get(array.dtype)  # the plain form: array.dtype.str, checked
+                if dtype is None:
+                    raise ProtocolError(f"cannot send dtype {array.dtype}: only bool, int, uint "
+                                        "and float arrays, little-endian")
+                copy[key] = {"__array__": len(arrays)}
+                arrays.append(array)
+                specs.append((dtype, array.shape))  # json writes both tuples as lists
+            elif isinstance(value, (dict, list, tuple)):
+                copy[key] = encode(value, depth + 1)
+        return copy  # anything else is json's to write, or to refuse
 
-    body = {"message": encode(message), "arrays": [[a.dtype.str, list(a.shape)] for a in arrays]}
+    body = {"message": encode(message, 1), "arrays": specs}
     try:
-        header = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+        header = _HEADER_ENCODER.encode(body).encode()
     except (TypeError, ValueError) as error:
         raise ProtocolError(f"cannot encode the message: {error}") from None
-    # One join writes the whole frame into a single buffer: no per-array bytes copies.
-    return b"".join([_HEADER_LENGTH.pack(len(header)), header, *(a.reshape(-1).view(np.uint8) for a in arrays)])
+    # One join writes the whole frame into a single buffer, reading each array's bytes in place
+    # (the plain form, array.tobytes(), would copy each array once more on the way).
+    return b"".join([_HEADER_LENGTH.pack(len(header)), header, *arrays])
 
 
 def _reject_constant(name):
     raise ProtocolError(f"the header holds {name}, which JSON does not allow")
 
 
+# Made once: json.loads(..., parse_constant=...) would build a new decoder for every message.
+_HEADER_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
+def _dtype_error(i: int, dtype) -> ProtocolError:
+    """Say what is wrong with a header's dtype that is not allowed."""
+    if isinstance(dtype, str) and dtype[:1] == ">" and "<" + dtype[1:] in _ALLOWED_DTYPES:
+        return ProtocolError(f"array {i}: dtype {dtype!r} is big-endian, not an allowed dtype: "
+                             f"arrays travel little-endian, as {'<' + dtype[1:]!r}")
+    return ProtocolError(f"array {i}: dtype {dtype!r:.40} is not an allowed dtype; "
+                         f"the allowed ones are {_SPELLINGS}")
+
+
+def _check_references(container, count: int, depth: int) -> None:
+    """Check each {"__array__": i} in a dict or list of a header: i must be one of its arrays."""
+    if depth > _MAX_DEPTH:
+        raise ProtocolError(f"header nests deeper than {_MAX_DEPTH} levels")
+    for value in (container.values() if isinstance(container, dict) else container):
+        if isinstance(value, dict) and "__array__" in value:
+            index = value["__array__"]
+            if type(index) is not int or not 0 <= index < count or len(value) != 1:
+                raise ProtocolError(f"bad array reference {str(value)[:80]}")
+        elif isinstance(value, (dict, list)):
+            _check_references(value, count, depth + 1)
+
+
+def _check_header(header: bytes) -> tuple:
+    """Parse and check a header: its message (references in place) and each array's layout."""
+    try:
+        text = str(header, "utf-8")
+        # raw_decode reads one JSON value and says where it ended. The plain form, json.loads,
+        # also skips whitespace around the value (pack writes none), at twice the cost here.
+        body, end = _HEADER_DECODER.raw_decode(text)
+    except ProtocolError:  # NaN or Infinity: _reject_constant says so
+        raise
+    except (ValueError, RecursionError) as error:  # bad UTF-8 or JSON, or an int of 4300+ digits
+        raise ProtocolError(f"header is not valid JSON: {error}") from None
+    if end != len(text):
+        raise ProtocolError(f"header is not valid JSON: {len(text) - end} characters after its end")
+    if not (isinstance(body, dict) and isinstance(body.get("message"), dict)
+            and isinstance(body.get("arrays"), list)):
+        raise ProtocolError("header must be an object with 'message' (object) and 'arrays' (list)")
+    layout = []  # (dtype, shape, bytes) of each array
+    for i, spec in enumerate(body["arrays"]):
+        if not (isinstance(spec, list) and len(spec) == 2):
+            raise ProtocolError(f"array {i}: {str(spec)[:80]} is not [dtype, shape]")
+        name, shape = spec
+        dtype = _ALLOWED_DTYPES.get(name) if isinstance(name, str) else None
+        if dtype is None:
+            raise _dtype_error(i, name)
+        # type(n) is int, not isinstance: true and false are not lengths.
+        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
+            raise ProtocolError(f"array {i}: shape {str(shape)[:80]} is not a list of "
+                                "non-negative integers")
+        if len(shape) > 32 or math.prod(filter(None, shape)) * dtype.itemsize >= 2**63:  # numpy's
+            raise ProtocolError(f"array {i}: numpy cannot make shape {str(shape)[:80]}")  # limits
+        layout.append((dtype, shape, math.prod(shape) * dtype.itemsize))
+    message = body["message"]
+    if "__array__" in message:
+        raise ProtocolError(f"bad array reference {str(message)[:80]}: the message is not an array")
+    _check_references(message, len(layout), 1)
+    return message, layout
+
+
+def _with_arrays(template, arrays: list):
+    """A copy of a checked dict or list of a header, arrays[i] in place of each {"__array__": i}."""
+    if isinstance(template, dict):
+        copy, items = dict(template), template.items()
+    else:
+        copy, items = list(template), enumerate(template)
+    # References and plain values are handled in this loop: one call per dict or list, not one
+    # per value (the plain form).
+    for key, value in items:
+        if isinstance(value, dict):
+            copy[key] = (arrays[value["__array__"]] if "__array__" in value
+                         else _with_arrays(value, arrays))
+        elif isinstance(value, list):
+            copy[key] = _with_arrays(value, arrays)
+    return copy
+
+
+# A client sends the same header frame after frame (same keys, dtypes and shapes; only the array
+# bytes change), so unpack keeps what _check_header made of the last headers it read, and checks
+# a header again only when it changes. At most 64 headers of at most 4 KiB: little memory.
+_CHECKED_HEADERS = {}  # header bytes -> (message template, layout)
+
+
 def unpack_message(frame: bytes) -> dict:
-    """Decode one binary frame. Arrays are read-only views into the frame: copy one before you modify it."""
+    """Decode one binary frame. Arrays are read-only views into the frame: copy one to modify it."""
     if not isinstance(frame, (bytes, bytearray)):
-        raise ProtocolError("expected a binary frame, got a text frame", "send messages made by pack_message")
+        raise ProtocolError("expected a binary frame, got a text frame",
+                            "send messages made by pack_message")
+    if isinstance(frame, bytearray):  # arrays viewing a bytearray would be writable
+        frame = memoryview(frame).toreadonly()
     if len(frame) < _HEADER_LENGTH.size:
         raise ProtocolError(f"frame of {len(frame)} bytes is shorter than its header length field")
     (header_length,) = _HEADER_LENGTH.unpack_from(frame)
     start = _HEADER_LENGTH.size + header_length
     if start > len(frame):
-        raise ProtocolError(f"header declares {header_length} bytes but the frame holds {len(frame) - 4}")
-    try:
-        body = json.loads(frame[_HEADER_LENGTH.size:start], parse_constant=_reject_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
-        raise ProtocolError(f"header is not valid JSON: {error}") from None
-    if not (isinstance(body, dict) and isinstance(body.get("message"), dict) and isinstance(body.get("arrays"), list)):
-        raise ProtocolError("header must be an object with 'message' (object) and 'arrays' (list)")
+        raise ProtocolError(f"header declares {header_length} bytes "
+                            f"but the frame holds {len(frame) - _HEADER_LENGTH.size}")
+    header = bytes(frame[_HEADER_LENGTH.size:start])  # a dict key; bytes() copies only a memoryview
+    checked = _CHECKED_HEADERS.get(header)
+    if checked is None:
+        checked = _check_header(header)
+        if len(header) <= 4096:
+            if len(_CHECKED_HEADERS) >= 64:
+                _CHECKED_HEADERS.clear()
+            _CHECKED_HEADERS[header] = checked
+    template, layout = checked
+
+    # Each array is checked against the bytes actually present before anything views them;
+    # nothing is allocated for its data, and nothing is copied.
     arrays, offset = [], start
-    for i, spec in enumerate(body["arrays"]):
-        if not (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], str) and spec[0] in _ALLOWED_DTYPES
-                and isinstance(spec[1], list) and all(type(n) is int and n >= 0 for n in spec[1])):
-            raise ProtocolError(f"array {i}: {str(spec)[:80]} is not [dtype, shape] with an allowed dtype "
-                                "(bool, int, uint, float) and a shape of non-negative integers")
-        dtype, shape = _ALLOWED_DTYPES[spec[0]], tuple(spec[1])
-        if len(shape) > 32 or math.prod(filter(None, shape)) * dtype.itemsize >= 2**63:  # numpy's limits,
-            raise ProtocolError(f"array {i}: numpy cannot make shape {str(spec[1])[:80]}")  # even when empty
-        count = math.prod(shape)
-        # Checked against the bytes actually present before anything is allocated or viewed.
-        if count * dtype.itemsize > len(frame) - offset:
-            raise ProtocolError(f"array {i} declares {count * dtype.itemsize} bytes but {len(frame) - offset} remain")
-        arrays.append(np.frombuffer(frame, dtype, count, offset).reshape(shape))
-        offset += count * dtype.itemsize
+    for i, (dtype, shape, size) in enumerate(layout):
+        if size > len(frame) - offset:
+            raise ProtocolError(f"array {i} declares {size} bytes but {len(frame) - offset} remain")
+        # A view of the frame's bytes, in one call. The plain form:
+        # np.frombuffer(frame, dtype, math.prod(shape), offset).reshape(shape)
+        arrays.append(np.ndarray(shape, dtype, frame, offset))
+        offset += size
     if offset != len(frame):
         raise ProtocolError(f"{len(frame) - offset} bytes are left over after the declared arrays")
-
-    def decode(value):
-        if isinstance(value, dict):
-            if "__array__" in value:
-                index = value["__array__"]
-                if type(index) is not int or not 0 <= index < len(arrays) or len(value) != 1:
-                    raise ProtocolError(f"bad array reference {str(value)[:80]}")
-                return arrays[index]
-            return {key: decode(item) for key, item in value.items()}
-        if isinstance(value, list):
-            return [decode(item) for item in value]
-        return value
-
-    try:
-        return decode(body["message"])
-    except RecursionError:
-        raise ProtocolError("header nests too deeply") from None
-
-
+    return _with_arrays(template, arrays)
 
 
 # ===== 2. State types: what flows from infer to feedback, and what a checkpoint holds =====

@@ -142,7 +142,8 @@ class Client:
                                          "obs": obs_of(tags)}))
         return await self.receive()
 
-    async def feedback(self, env_ids, tags, *, reward=None, terminated=None, truncated=None, episode=None):
+    async def feedback(self, env_ids, tags, *, reward=None, terminated=None, truncated=None, episode=None,
+                       extra_info=None):
         m = len(env_ids)
         terminated = np.zeros(m, bool) if terminated is None else np.array(terminated, bool)
         truncated = np.zeros(m, bool) if truncated is None else np.array(truncated, bool)
@@ -153,7 +154,8 @@ class Client:
         await self.ws.send(pack_message({
             "message_type": "feedback", "env_indices": np.array(env_ids, np.int64), "obs": obs_of(tags),
             "reward": np.zeros(m, np.float32) if reward is None else np.array(reward, np.float32),
-            "terminated": terminated, "truncated": truncated, "info": {"episode": episode}}))
+            "terminated": terminated, "truncated": truncated,
+            "info": {"episode": episode, **{key: np.array(value, np.float32) for key, value in (extra_info or {}).items()}}}))
 
     async def step(self, env_ids, tags, **feedback) -> dict:
         """One decision: infer, then feed back; returns the action message."""
@@ -404,6 +406,148 @@ def test_a_header_that_misdescribes_its_arrays_is_rejected(arrays, message):
 def test_pack_message_refuses_arrays_that_are_not_bool_int_uint_or_float(array):
     with pytest.raises(ProtocolError, match="dtype"):
         pack_message({"a": array})
+
+
+# --- dtype spellings, byte order, the header cache ---------------------------------------
+
+NAMES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+         "float16", "float32", "float64"]
+
+
+def raw_frame_spaced(arrays, payload: bytes, message=None, space=b"") -> bytes:
+    message = {"x": {"__array__": 0}} if message is None else message
+    header = json.dumps({"message": message, "arrays": arrays}).encode() + space
+    return len(header).to_bytes(4, "little") + header + payload
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_dtype_name_and_its_dtype_str_both_decode(name):
+    dtype = np.dtype(name)
+    payload = np.arange(6).astype(dtype).tobytes()
+    for spelling in (name, dtype.str):
+        decoded = unpack_message(raw_frame_spaced([[spelling, [2, 3]]], payload))["x"]
+        assert decoded.dtype == dtype and decoded.shape == (2, 3)
+        np.testing.assert_array_equal(decoded, np.arange(6).astype(dtype).reshape(2, 3))
+
+
+def test_pack_writes_dtype_str():
+    frame = pack_message({"a": np.zeros(2, np.float32), "b": np.zeros((), bool)})
+    header = json.loads(frame[4:4 + int.from_bytes(frame[:4], "little")])
+    assert header["arrays"] == [["<f4", [2]], ["|b1", []]]
+
+
+@pytest.mark.parametrize("dtype", [">f4", ">i8", ">u2", ">f8"])
+def test_a_big_endian_dtype_is_refused_saying_little_endian(dtype):
+    with pytest.raises(ProtocolError, match="little-endian") as info:
+        unpack_message(raw_frame_spaced([[dtype, [1]]], bytes(np.dtype(dtype).itemsize)))
+    assert repr(dtype) in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", ["<c8", "complex64", "f", "=f4", "float128", "|O", 5, None,
+                                   ["<f4"]])
+def test_an_unknown_dtype_is_named_and_the_accepted_spellings_listed(dtype):
+    with pytest.raises(ProtocolError, match="allowed dtype") as info:
+        unpack_message(raw_frame_spaced([[dtype, [1]]], bytes(8)))
+    text = str(info.value)
+    assert repr(dtype)[:40] in text and "<f4 or float32" in text and "|b1 or bool" in text
+
+
+def test_pack_refuses_a_big_endian_array():
+    with pytest.raises(ProtocolError, match="little-endian"):
+        pack_message({"a": np.zeros(2, ">f4")})
+
+
+@pytest.mark.parametrize("kind", [bytes, bytearray])
+def test_decoded_arrays_are_read_only_views_of_the_frame(kind):
+    frame = kind(pack_message({"a": np.arange(4, dtype=np.int32), "b": np.ones((2, 2))}))
+    decoded = unpack_message(frame)
+    for array in decoded.values():
+        assert not array.flags.writeable
+        assert np.shares_memory(array, np.frombuffer(frame, np.uint8))  # a view, not a copy
+
+
+def test_a_cached_header_still_gets_every_byte_count_check():
+    frame = pack_message({"a": np.arange(3, dtype=np.int32)})
+    unpack_message(frame)  # now cached
+    with pytest.raises(ProtocolError, match="declares"):
+        unpack_message(frame[:-1])
+    with pytest.raises(ProtocolError, match="left over"):
+        unpack_message(frame + b"\0")
+
+
+def test_each_decode_of_a_cached_header_gets_its_own_containers():
+    frame = pack_message({"a": {"b": [np.zeros(1), 1]}, "s": "x"})
+    first = unpack_message(frame)
+    first["a"]["b"].append("changed")
+    first["a"]["new"] = 1
+    second = unpack_message(frame)
+    assert second["a"]["b"][1] == 1 and len(second["a"]["b"]) == 2 and "new" not in second["a"]
+
+
+def test_the_header_cache_stays_small():
+    for i in range(200):
+        unpack_message(pack_message({"i": i, "a": np.zeros(1)}))
+    unpack_message(pack_message({"big": "x" * 5000}))  # too long to keep
+    assert len(plugrl_min._CHECKED_HEADERS) <= 64
+    assert all(len(header) <= 4096 for header in plugrl_min._CHECKED_HEADERS)
+
+
+def test_round_trip_of_a_long_header_that_is_not_cached():
+    message = {"text": "x" * 10000, "a": np.arange(5)}
+    decoded = unpack_message(pack_message(message))
+    assert decoded["text"] == message["text"]
+    np.testing.assert_array_equal(decoded["a"], message["a"])
+
+
+def test_nesting_over_the_limit_is_refused_both_ways():
+    deep = np.zeros(1)
+    for _ in range(plugrl_min._MAX_DEPTH):
+        deep = [deep]
+    with pytest.raises(ProtocolError, match="deep"):
+        pack_message({"x": deep})
+    ok = deep[0]
+    assert unpack_message(pack_message({"x": ok}))["x"] is not None
+    header = b'{"message": {"x": %s}, "arrays": []}' % (b"[" * 70 + b"]" * 70)
+    with pytest.raises(ProtocolError, match="deeper"):
+        unpack_message(len(header).to_bytes(4, "little") + header)
+
+
+def test_a_message_that_holds_itself_is_a_protocol_error():
+    message = {"a": 1}
+    message["self"] = message
+    with pytest.raises(ProtocolError):
+        pack_message(message)
+
+
+def test_a_header_with_an_int_of_5000_digits_is_a_protocol_error():
+    header = b'{"message": {"x": ' + b"1" * 5000 + b'}, "arrays": []}'
+    with pytest.raises(ProtocolError, match="JSON"):
+        unpack_message(len(header).to_bytes(4, "little") + header)
+
+
+def test_text_after_the_header_object_is_refused():
+    with pytest.raises(ProtocolError, match="JSON"):
+        unpack_message(raw_frame_spaced([["<i4", [1]]], bytes(4), space=b" "))
+
+
+def test_a_message_that_is_itself_a_reference_is_refused():
+    with pytest.raises(ProtocolError, match="reference"):
+        unpack_message(raw_frame_spaced([["<i4", [1]]], bytes(4), message={"__array__": 0}))
+
+
+def test_numpy_scalars_and_0d_arrays_round_trip_as_0d_and_lists_tuples_nest():
+    message = {"s": np.float64(2.5), "z": np.array(3, np.int8), "t": (1, np.bool_(True)),
+               "l": [{"k": np.uint16(7)}], "n": None, "f": 1.5}
+    decoded = unpack_message(pack_message(message))
+    assert decoded["s"].shape == () and decoded["s"].dtype == np.float64 and decoded["s"] == 2.5
+    assert decoded["z"].shape == () and decoded["z"].dtype == np.int8
+    assert decoded["t"][0] == 1 and decoded["t"][1].dtype == bool and decoded["t"][1]
+    assert decoded["l"][0]["k"].dtype == np.uint16 and decoded["n"] is None and decoded["f"] == 1.5
+
+
+def test_the_reserved_key_is_refused_at_any_depth():
+    with pytest.raises(ProtocolError, match="reserved"):
+        pack_message({"a": [{"b": {"__array__": 0}}]})
 
 
 def test_no_pickle_anywhere_in_the_code():
@@ -812,6 +956,146 @@ def test_prev_node_comes_back_to_the_same_environment(tmp_path):
     for tag in (1, 2, 3, 4):
         nodes = [f["prev_node"] for f in algo.frames if int(f["runtime_state"]["tag"]) == tag]
         assert nodes == [(-1, "")] + [(1000 * tag + k, "x") for k in (1, 2, 3)]
+
+
+class ChainsFrames(Probe):
+    """On-policy, a learn every 6 stored frames; each stored frame's node is (its index, "chain").
+
+    Clients send info["tag"], so discard_feedback can note whose frame it was.
+    """
+
+    on_policy = True
+    learn_every = 6
+
+    def next_node(self, frame):
+        return (len(self.frames) - 1, "chain")
+
+    def discard_feedback(self, *, info, next_terminated, next_truncated):
+        self.events.append(("discard", float(info["tag"])))
+        super().discard_feedback(info=info, next_terminated=next_terminated,
+                                 next_truncated=next_truncated)
+
+
+def test_after_a_discarded_frame_the_next_stored_frame_of_that_environment_gets_no_prev_node(tmp_path):
+    algo = ChainsFrames()
+
+    async def script(port, server):  # two clients at different paces: learns make stale frames
+        rng = np.random.default_rng(0)
+        await asyncio.gather(run_rounds(port, [1, 2], 20, think=lambda: rng.uniform(0, 0.01),
+                                        extra_info={"tag": [1.0, 2.0]}),
+                             run_rounds(port, [3], 30, think=lambda: rng.uniform(0, 0.01),
+                                        extra_info={"tag": [3.0]}))
+        await eventually(lambda: len(algo.frames) + algo.discarded == 70)
+
+    run_server(algo, tmp_path, script)
+    assert algo.discarded > 0 and algo.learns >= 3
+    previous = {}  # tag -> node of that environment's previous frame; None if it was discarded
+    fed = 0
+    restarts = 0
+    for kind, tag in (event for event in algo.events if event[0] in ("feedback", "discard")):
+        if kind == "discard":
+            previous[tag] = None
+            continue
+        # The node of the environment's previous frame if it was stored, else (-1, ""): a
+        # chain never reaches back over a discarded frame.
+        expected = previous.get(tag) or (-1, "")
+        assert algo.frames[fed]["prev_node"] == expected, (fed, tag)
+        restarts += expected == (-1, "")
+        previous[tag] = (fed, "chain")
+        fed += 1
+    assert restarts > 3  # the three first frames, and at least one after a discard
+
+
+def test_prev_node_continues_across_an_episode_end(tmp_path):
+    algo = ChainsFrames()
+    algo.learn_every = None
+
+    async def script(port, server):
+        client = await Client.connect(port)
+        await client.step([0], [1])
+        await client.step([0], [1], terminated=[True])  # the episode ends here
+        await client.step([0], [1])  # the next episode's first frame
+        await eventually(lambda: len(algo.frames) == 3)
+        await client.close()
+
+    run_server(algo, tmp_path, script)
+    assert [frame["prev_node"] for frame in algo.frames] == [(-1, ""), (0, "chain"), (1, "chain")]
+    assert [frame["terminated"] for frame in algo.frames] == [False, False, True]
+
+
+def test_a_new_connections_environments_start_with_no_prev_node(tmp_path):
+    algo = ChainsFrames()
+    algo.learn_every = None
+
+    async def script(port, server):
+        for _ in range(2):  # the same environment index, on two connections one after the other
+            client = await Client.connect(port)
+            await client.step([0], [1])
+            await client.step([0], [1])
+            await client.close()
+        await eventually(lambda: len(algo.frames) == 4)
+
+    run_server(algo, tmp_path, script)
+    assert [frame["prev_node"] for frame in algo.frames] == [(-1, ""), (0, "chain"),
+                                                             (-1, ""), (2, "chain")]
+
+
+class LogsAlternately(Probe):
+    """On-policy, a learn every 5 frames; feedback logs {"a": 2i} on even frames, {"b": 1} on odd."""
+
+    on_policy = True
+    learn_every = 5
+
+    def feedback(self, **frame):
+        node, step, _ = super().feedback(**frame)
+        i = len(self.frames) - 1
+        return node, step, {"a": 2.0 * i} if i % 2 == 0 else {"b": torch.tensor(1.0)}
+
+
+def test_every_log_key_feedback_returns_is_averaged_into_the_next_metrics_line(tmp_path):
+    algo = LogsAlternately()
+
+    async def script(port, server):
+        await run_rounds(port, [1], 10)
+        await eventually(lambda: algo.learns == 2)
+
+    run_server(algo, tmp_path, script)
+    learns = read_metrics(tmp_path)
+    assert [line["a"] for line in learns] == [4.0, 14.0]  # means of 0, 4, 8 and 10, 14, 18
+    assert [line["b"] for line in learns] == [1.0, 1.0]
+
+
+def test_server_fed_and_discarded_count_every_frame_the_clients_sent(tmp_path):
+    algo = LogsAlternately()
+
+    async def script(port, server):
+        rng = np.random.default_rng(1)
+        sent = await asyncio.gather(run_rounds(port, [1, 2], 15, think=lambda: rng.uniform(0, 0.01)),
+                                    run_rounds(port, [3], 25, think=lambda: rng.uniform(0, 0.01)))
+        await eventually(lambda: len(algo.frames) + algo.discarded == sum(sent))
+        return sum(sent)
+
+    _, sent = run_server(algo, tmp_path, script)
+    lines = read_metrics(tmp_path, event=None)
+    assert lines[-1]["event"] == "end"  # a line at the end of the run too
+    assert sum(line["server/fed"] for line in lines) == len(algo.frames)
+    assert sum(line["server/discarded"] for line in lines) == algo.discarded > 0
+    assert len(algo.frames) + algo.discarded == sent == 55
+
+
+def test_a_run_that_never_learns_still_writes_its_metrics_at_the_end(tmp_path):
+    algo = LogsAlternately()
+    algo.learn_every = None
+
+    async def script(port, server):
+        await run_rounds(port, [1], 4, terminated=[True], episode={"r": [3.0], "l": [7], "s": [True]})
+        await eventually(lambda: len(algo.frames) == 4)
+
+    run_server(algo, tmp_path, script)
+    (line,) = read_metrics(tmp_path, event=None)
+    assert line["event"] == "end" and line["a"] == 2.0 and line["b"] == 1.0
+    assert line["rollout/episodes"] == 4 and line["rollout/reward"] == 3.0
+    assert line["server/fed"] == 4 and line["server/discarded"] == 0
 
 
 class SlowLearner(Probe):
@@ -1639,6 +1923,15 @@ def test_steps_1_is_exactly_one_plain_step_with_the_controllers_action(env_id, m
             plain_obs = expected[0]
 
 
+def test_finished_environments_rows_are_never_passed_to_the_controller():
+    # counting-v1, K = 5: environments 0, 1, 2 end after 4, 5 and 6 physical steps.
+    executor, controller = counting(3, 5)
+    decide(executor, 3)
+    assert [len(obs) for obs in controller.seen_obs] == [3, 3, 3, 3, 2]  # env 0 ended at step 4
+    assert [obs[:, 0].tolist() for obs in controller.seen_obs[-1:]] == [[4.0, 4.0]]  # envs 1 and 2
+    assert executor.state["calls"].tolist() == [4, 5, 5]
+
+
 def test_decision_array_passed_in_is_not_modified():
     executor, _ = counting(2, 3)
     decision = np.array([[0.25], [-0.5]], np.float32)
@@ -2131,7 +2424,7 @@ def _(rng):
 
 @malformed("bad dtype")
 def _(rng):
-    dtype = pick(rng, ["|O", "<c8", "<c16", "<U3", "|S4", "|V4", ">f4", ">i8", "<M8[s]", "<m8[s]", "float32", "f",
+    dtype = pick(rng, ["|O", "<c8", "<c16", "<U3", "|S4", "|V4", ">f4", ">i8", "<M8[s]", "<m8[s]", "complex64", "f",
                        5, None, ["<f4"], {"<f4": 1}])
     return False, infer_by_hand([["<i8", [1]], [dtype, [1, 3]]])
 
@@ -2668,6 +2961,160 @@ def test_a_client_that_owes_feedback_while_the_server_learns_longer_than_the_tim
     _, again = run_server(algo, tmp_path, script, feedback_timeout=0.5)
     assert again["message_type"] == "action" and algo.learns == 1
     assert sorted(float(frame["runtime_state"]["tag"]) for frame in algo.frames) == [1.0, 2.0, 2.0]
+
+
+ENDLESS_LEARNER = '''
+import dataclasses, sys, time
+from plugrl_min import DummyAlgoConfig, DummyAlgorithm, register_algo, register_algo_config
+
+
+@register_algo_config("endless")
+@dataclasses.dataclass
+class EndlessConfig(DummyAlgoConfig):
+    global_steps: int | None = None
+    learn_every: int = 20
+    save_every: int = 10**9
+    save_seconds: float = 0.0  # how long create_checkpoint takes
+
+
+@register_algo("endless")
+class Endless(DummyAlgorithm):
+    def learn_impl(self):  # the page's symptom 4: frames_since_learn is never reset
+        time.sleep(0.02)
+        self.learns += 1
+        return self.global_step, {}
+
+    def create_checkpoint(self):
+        print("saving", flush=True)
+        time.sleep(self.config.save_seconds)
+        return super().create_checkpoint()
+'''
+
+
+def endless_server(tmp_path, *flags):
+    write_plugin(tmp_path, "endless_learner", ENDLESS_LEARNER)
+    return Background(tmp_path, "server", ["plugrl_min.py", "dummy-policy", "default", "endless", "default",
+                                           "--plugin", "endless_learner", "--port", "0",
+                                           "--run-dir", str(tmp_path / "run"), *flags], pythonpath=tmp_path)
+
+
+def test_sigint_stops_a_server_that_learns_again_and_again_with_a_final_checkpoint(tmp_path):
+    with endless_server(tmp_path) as server:
+        port = server.port()
+        with Background(tmp_path, "client", env_client_args(port, "--num-episodes", "1000000")) as client:
+            wait_for(lambda: metrics_lines(tmp_path / "run") >= 5, 60, "the server learning again and again")
+            server.proc.send_signal(signal.SIGINT)
+            status = server.wait(20)
+            client_status = client.wait(30)
+    assert status == 0, server.stderr()
+    assert "run finished" in server.stdout() and "saving" in server.stdout()
+    assert len(checkpoint_steps(tmp_path / "run")) == 1  # the final one
+    assert client_status == 0 and "the server ended the run" in client.stdout()
+
+
+def test_a_second_sigint_during_a_slow_final_save_exits_at_once_without_a_checkpoint(tmp_path):
+    with endless_server(tmp_path, "--algo.save-seconds", "60") as server:
+        port = server.port()
+        with Background(tmp_path, "client", env_client_args(port, "--num-episodes", "1000000")):
+            wait_for(lambda: metrics_lines(tmp_path / "run") >= 1, 60, "a learn")
+            server.proc.send_signal(signal.SIGINT)
+            wait_for(lambda: "saving" in server.stdout(), 20, "the final save to begin")
+            server.proc.send_signal(signal.SIGINT)
+            started = time.monotonic()
+            status = server.wait(20)
+    assert status != 0 and time.monotonic() - started < 5
+    assert "without a final checkpoint" in server.stderr()
+    assert checkpoint_steps(tmp_path / "run") == []
+
+
+class HoldsTheLateClient(plugrl_min.Server):
+    """Holds the second client until the run has ended (its control loop returned): in its
+    handshake (hold="handshake"), or with the handshake done, before its handler runs ("open")."""
+
+    hold = "handshake"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ended = asyncio.Event()
+        self.arrived = {"handshake": 0, "open": 0}
+
+    async def check_token(self, connection, request):
+        self.arrived["handshake"] += 1
+        if self.hold == "handshake" and self.arrived["handshake"] == 2:
+            await self.ended.wait()
+        return None
+
+    async def handle_client(self, ws):
+        self.arrived["open"] += 1
+        if self.hold == "open" and self.arrived["open"] == 2:
+            await self.ended.wait()
+        await super().handle_client(ws)
+
+    async def control_loop(self):
+        await super().control_loop()
+        self.ended.set()
+
+
+async def env_client(port):
+    """A real env client process: (exit status, its output)."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, *env_client_args(port, "--num-episodes", "1000000"), cwd=HERE,
+        env=subprocess_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    output, _ = await asyncio.wait_for(process.communicate(), 60)
+    return process.returncode, output.decode()
+
+
+def run_with_a_late_client(tmp_path, hold):
+    """A first client stops the run (should_stop after 2 frames) while a second one is held."""
+    class StopsAfterTwoFrames(Probe):
+        def should_stop(self):
+            return self.global_step >= 2
+
+    async def main():
+        server = HoldsTheLateClient(StopsAfterTwoFrames(), str(tmp_path), ("dummy-policy", "probe"))
+        server.hold = hold
+        ports = asyncio.Queue()
+        run = asyncio.create_task(server.run("127.0.0.1", 0, on_listening=ports.put_nowait))
+        port = await ports.get()
+        first = await Client.connect(port)
+        late = asyncio.create_task(env_client(port))
+        await eventually(lambda: server.arrived[hold] == 2)  # the late client is held there
+        await first.step([0], [1])
+        await first.step([0], [1])
+        status = await asyncio.wait_for(run, 30)
+        return status, await first.closed(), await late
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("hold", ["handshake", "open"])
+def test_a_client_that_arrives_as_the_run_ends_is_told_the_run_finished_and_exits_0(tmp_path, hold):
+    status, closed, (late_status, late_output) = run_with_a_late_client(tmp_path, hold)
+    assert status == 0 and closed == (1000, "run finished")
+    assert late_status == 0 and "the server ended the run" in late_output, late_output
+
+
+def test_a_client_that_keeps_one_environment_owing_while_it_feeds_back_others_is_kept(tmp_path):
+    algo = Probe()
+
+    async def script(port, server):
+        client = await Client.connect(port)
+        await client.infer([0, 1], [1, 2])
+        started = time.monotonic()
+        while time.monotonic() - started < 1.5:  # three feedback timeouts; environment 1 owes all along
+            await client.feedback([0], [1])
+            reply = await client.infer([0], [1])
+            assert reply["message_type"] == "action"
+            await asyncio.sleep(0.02)
+        await client.feedback([0, 1], [1, 2])
+        fed = len(algo.frames) + 2
+        await eventually(lambda: len(algo.frames) == fed)
+        still_open = client.ws.close_code is None
+        await client.close()
+        return still_open
+
+    _, still_open = run_server(algo, tmp_path, script, feedback_timeout=0.5)
+    assert still_open
 
 
 # =============================================================================================
