@@ -290,6 +290,20 @@ def slice_rows(tree, rows):
     return tree[rows]
 
 
+def split_rows(tree, n: int) -> list:
+    """[slice_rows(tree, i) for i in range(n)], one array at a time (the plain form indexes
+    every array once per row). Rows of arrays are views; a 1-d array gives Python numbers."""
+    if tree is None:
+        return [None] * n
+    if not isinstance(tree, dict):
+        return tree.tolist() if tree.ndim == 1 else list(tree)
+    rows = [{} for _ in range(n)]
+    for key, value in tree.items():
+        for row, part in zip(rows, split_rows(value, n)):
+            row[key] = part
+    return rows
+
+
 # ===== 3. Registries: where the command line finds policies, algorithms and environments =====
 # PlugRL page: register_algo_config, register_algo (and their policy twins), make_algo.
 
@@ -829,11 +843,11 @@ PROTOCOL_HINT = "see 'The wire protocol' in README.md"
 class InferBatch:
     """One infer() call, kept until every environment in it has sent its feedback."""
 
-    obs: dict  # {key: [n, ...]}, the observations the actions were chosen for
-    action: np.ndarray  # [n, action_horizon, action_dim]
-    runtime_state: PolicyRuntimeState  # batched along axis 0, like obs
-    train_state: PolicyTrainState  # derive_train_state(runtime_state)
     version: int  # the policy version that acted: learns so far
+    action: np.ndarray  # [n, action_horizon, action_dim]
+    obs: list  # [n] the observation each action was chosen for, {key: array}
+    runtime_state: list  # [n] each environment's row of the runtime state
+    train_state: list  # [n] each environment's row of derive_train_state(runtime_state)
 
 
 @dataclasses.dataclass(eq=False)
@@ -877,17 +891,17 @@ class InferRequest:
 
 @dataclasses.dataclass(eq=False)
 class FeedbackMessage:
-    """A checked feedback message: one frame per environment, each with its step state."""
+    """A checked feedback message: m frames, one per environment, as parallel lists."""
 
     conn: Connection
     env_indices: list  # [m] int
     slots: list  # [m] EnvSlot
     steps: list  # [m] StepState, taken from the slots when the message arrived
-    next_obs: dict  # {key: [m, ...]}, the observation after each decision
-    rewards: list  # [m] floats (or [m] arrays [k]: one reward per physical step, 'stack')
+    next_obs: list  # [m] the observation after each decision, {key: array}
+    rewards: list  # [m] float (with 'stack': [k] arrays, one reward per physical step)
     terminated: list  # [m] bool, this transition's: feedback(next_terminated=)
-    truncated: list
-    info: dict  # {key: [m, ...]}, e.g. "episode" on the frames that finished one
+    truncated: list  # [m] bool
+    info: list  # [m] dict, e.g. {"episode": {...}} (every frame has it if one finished)
 
 
 class Server:
@@ -974,30 +988,32 @@ class Server:
 
     def accept(self, conn: Connection, message: dict) -> InferRequest | FeedbackMessage:
         """Turn a checked message into a queued item, and move its environments' state on."""
-        if check_message(message, self.obs_spec) == "infer":
-            env_ids = message["env_indices"].tolist()
-            slots = [conn.slots.setdefault(i, EnvSlot()) for i in env_ids]
+        kind, env_ids = check_message(message, self.obs_spec)
+        if kind == "infer":
+            slots = [conn.slots[i] if i in conn.slots else conn.slots.setdefault(i, EnvSlot())
+                     for i in env_ids]
             for i, slot in zip(env_ids, slots):
                 if slot.waiting or slot.step is not None:
                     raise ProtocolError(f"infer: environment {i} owes feedback for its last "
                                         "action", "send feedback after every action, then infer")
                 slot.waiting = True
             return InferRequest(conn, message["env_indices"], message["obs"])
-        env_ids = message["env_indices"].tolist()
         slots = [conn.slots.get(i) for i in env_ids]
-        if any(slot is None or slot.step is None for slot in slots):
+        steps = [slot and slot.step for slot in slots]
+        if None in steps:
             raise ProtocolError("feedback: an environment in env_indices has no action to "
                                 "answer", "send feedback only for environments given an action")
-        steps = [slot.step for slot in slots]
         for slot in slots:
             slot.step = None  # so the environment may infer again at once
         conn.owed -= len(slots)
         conn.heard_at = time.monotonic()
+        m = len(slots)
         reward = message["reward"]
         rewards = reward.tolist() if reward.ndim == 1 else list(reward)  # floats, or [k] rows
-        return FeedbackMessage(conn, env_ids, slots, steps, message["obs"], rewards,
+        info = message.get("info", {})
+        return FeedbackMessage(conn, env_ids, slots, steps, split_rows(message["obs"], m), rewards,
                                message["terminated"].tolist(), message["truncated"].tolist(),
-                               message.get("info", {}))
+                               split_rows(info, m) if info else [{} for _ in range(m)])
 
     def check_token(self, connection, request):
         """Refuse, at the handshake, a client without the run's token (HTTP 401)."""
@@ -1059,8 +1075,11 @@ class Server:
         action, runtime_state = self.algo.infer(obs)
         action = check_action(action, len(obs[next(iter(obs))]), self.action_shape,
                                self.action_dtype)
-        batch = InferBatch(obs, action, runtime_state, self.algo.derive_train_state(runtime_state),
-                           self.version)
+        n = len(action)
+        train_state = self.algo.derive_train_state(runtime_state)
+        # Each environment's rows, cut once for the whole batch (views, not copies).
+        batch = InferBatch(self.version, action, split_rows(obs, n), split_rows(runtime_state, n),
+                           split_rows(train_state, n))
         self.infer_calls += 1
         self.inferred_envs += len(action)
         now = time.monotonic()
@@ -1083,10 +1102,10 @@ class Server:
 
     def route_feedback(self, message: FeedbackMessage) -> None:
         """The routing rule: feedback() for frames the algorithm stores, discard_feedback() else."""
-        for j, (slot, step) in enumerate(zip(message.slots, message.steps)):
-            info = slice_rows(message.info, j)
-            next_terminated = message.terminated[j]
-            next_truncated = message.truncated[j]
+        frames = zip(message.slots, message.steps, message.next_obs, message.rewards,
+                     message.terminated, message.truncated, message.info)
+        for j, (slot, step, next_obs, reward, next_terminated, next_truncated, info) in enumerate(
+                frames):
             # An on-policy gradient averages over actions of the policy being improved. A frame
             # whose action came from an older version (stale), or one that arrives once a learn
             # is due (its batch is full), would bias it: discard_feedback only counts its episode.
@@ -1098,13 +1117,12 @@ class Server:
                 node = NO_NODE  # the chain of this environment's stored frames is broken
                 self.discarded += 1
             else:
+                batch = step.batch
                 node, self.global_step, log = self.algo.feedback(
-                    obs=slice_rows(step.batch.obs, step.row),
-                    runtime_state=slice_rows(step.batch.runtime_state, step.row),
-                    train_state=slice_rows(step.batch.train_state, step.row),
-                    terminated=slot.terminated, truncated=slot.truncated,
-                    next_obs=slice_rows(message.next_obs, j), reward=message.rewards[j],
-                    info=info, next_terminated=next_terminated, next_truncated=next_truncated,
+                    obs=batch.obs[step.row], runtime_state=batch.runtime_state[step.row],
+                    train_state=batch.train_state[step.row], terminated=slot.terminated,
+                    truncated=slot.truncated, next_obs=next_obs, reward=reward, info=info,
+                    next_terminated=next_terminated, next_truncated=next_truncated,
                     prev_node=slot.prev_node)
                 for key, value in log.items():
                     self.feedback_logs.setdefault(key, []).append(float(value))
@@ -1344,56 +1362,64 @@ def describe(value) -> str:
     return "nothing (the field is missing)" if value is None else f"a {type(value).__name__}"
 
 
-def require(ok: bool, field: str, expected: str, value) -> None:
-    """Raise a ProtocolError naming the field, what it must be, and what came, unless ok."""
-    if not ok:
-        raise ProtocolError(f"{field} must be {expected}; got {describe(value)}", PROTOCOL_HINT)
+def mismatch(field: str, expected: str, value) -> ProtocolError:
+    """The error for a field that is not what the protocol reference says it must be."""
+    return ProtocolError(f"{field} must be {expected}; got {describe(value)}", PROTOCOL_HINT)
 
 
-def check_message(message: dict, obs_spec: dict) -> str:
-    """Check an infer or feedback message field by field; returns its message_type."""
+def is_array(value, kinds: str, shape: tuple) -> bool:
+    """An array of one of these dtype kinds ('b' bool, 'iu' int, 'f' float) and this shape."""
+    return isinstance(value, np.ndarray) and value.dtype.kind in kinds and value.shape == shape
+
+
+EPISODE_FIELDS = (("r", "f", "float"), ("l", "iu", "int"), ("s", "b", "bool"),
+                  ("mask", "b", "bool"))
+
+
+def check_message(message: dict, obs_spec: dict) -> tuple[str, list]:
+    """Check an infer or feedback message field by field: (message_type, env_indices as ints)."""
     kind = message.get("message_type")
     if kind not in ("infer", "feedback"):
         raise ProtocolError(f"message_type must be 'infer' or 'feedback'; got {str(kind)[:40]!r}",
                             PROTOCOL_HINT)
     indices = message.get("env_indices")
-    require(isinstance(indices, np.ndarray) and indices.dtype == np.int64 and indices.ndim == 1,
-            f"{kind}.env_indices", "int64 [n]", indices)
+    if not (isinstance(indices, np.ndarray) and indices.dtype == np.int64 and indices.ndim == 1):
+        raise mismatch(f"{kind}.env_indices", "int64 [n]", indices)
     env_ids = indices.tolist()
-    if len(set(env_ids)) != len(env_ids) or min(env_ids, default=0) < 0:
+    n = len(env_ids)
+    if len(set(env_ids)) != n or min(env_ids, default=0) < 0:
         raise ProtocolError(f"{kind}.env_indices must be distinct and non-negative; got "
                             f"{str(env_ids)[:60]}", "send each environment once per message")
-    n = len(env_ids)
     check_obs(message.get("obs"), obs_spec, n, f"{kind}.obs")
     if kind == "infer":
-        return kind
+        return kind, env_ids
     reward = message.get("reward")
-    require(isinstance(reward, np.ndarray) and reward.dtype.kind == "f" and reward.ndim in (1, 2)
-            and reward.shape[0] == n and reward.dtype.itemsize >= 4, "feedback.reward",
-            f"float32 or float64 [m] (or [m, k]) with m = {n}", reward)
-    if not np.isfinite(reward).all():
-        raise ProtocolError("feedback.reward holds NaN or infinity", PROTOCOL_HINT)
+    if not (isinstance(reward, np.ndarray) and reward.dtype in (np.float32, np.float64)
+            and reward.ndim in (1, 2) and len(reward) == n):
+        raise mismatch("feedback.reward", f"float32 or float64 [m] or [m, k] with m = {n}", reward)
     for name in ("terminated", "truncated"):
-        flags = message.get(name)
-        require(isinstance(flags, np.ndarray) and flags.dtype == np.bool_ and flags.shape == (n,),
-                f"feedback.{name}", f"bool [m] with m = {n}", flags)
+        if not is_array(message.get(name), "b", (n,)):
+            raise mismatch(f"feedback.{name}", f"bool [m] with m = {n}", message.get(name))
     info = message.get("info", {})
-    require(isinstance(info, dict), "feedback.info", "a dict of arrays [m, ...], or left out", info)
+    if not isinstance(info, dict):
+        raise mismatch("feedback.info", "a dict of arrays [m, ...], or left out", info)
     for path, leaf in _leaves(info, "feedback.info"):
-        require(isinstance(leaf, np.ndarray) and leaf.shape[:1] == (n,), path,
-                f"an array [m, ...] with m = {n}", leaf)
+        if not (isinstance(leaf, np.ndarray) and leaf.shape[:1] == (n,)):
+            raise mismatch(path, f"an array [m, ...] with m = {n}", leaf)
+    finite = {"feedback.reward": reward}
     episode = info.get("episode")
     if episode is not None:
-        require(isinstance(episode, dict), "feedback.info.episode", "a dict of r, l, s, mask",
-                episode)
-        for key, kinds, expected in (("r", "f", "float"), ("l", "iu", "int"), ("s", "b", "bool"),
-                                     ("mask", "b", "bool")):
-            value = episode.get(key)
-            require(isinstance(value, np.ndarray) and value.dtype.kind in kinds
-                    and value.shape == (n,) and np.isfinite(value).all(),
-                    f"feedback.info.episode.{key}",
-                    f"{expected} [m] with m = {n}", value)
-    return kind
+        if not isinstance(episode, dict):
+            raise mismatch("feedback.info.episode", "a dict of r, l, s and mask", episode)
+        for key, kinds, expected in EPISODE_FIELDS:
+            if not is_array(episode.get(key), kinds, (n,)):
+                raise mismatch(f"feedback.info.episode.{key}", f"{expected} [m] with m = {n}",
+                               episode.get(key))
+        finite["feedback.info.episode.r"] = episode["r"]
+    for field, array in finite.items():
+        if not np.isfinite(array).all():
+            raise ProtocolError(f"{field} holds NaN or infinity", PROTOCOL_HINT)
+    return kind, env_ids
 
 
 def check_obs(obs, obs_spec: dict, n: int, field: str) -> None:
@@ -1404,8 +1430,9 @@ def check_obs(obs, obs_spec: dict, n: int, field: str) -> None:
                             PROTOCOL_HINT)
     for key, (shape, dtype) in obs_spec.items():
         array = obs[key]
-        require(isinstance(array, np.ndarray) and array.dtype == dtype and array.shape == (n, *shape),
-                f"{field}.{key}", f"{dtype.name} {[n, *shape]}", array)
+        if not (isinstance(array, np.ndarray) and array.dtype == dtype
+                and array.shape == (n, *shape)):
+            raise mismatch(f"{field}.{key}", f"{dtype.name} {[n, *shape]}", array)
         if dtype.kind == "f" and not np.isfinite(array).all():
             raise ProtocolError(f"{field}.{key} holds NaN or infinity",
                                 "check the environment's observations")
@@ -1939,10 +1966,11 @@ def check_metadata(meta: dict, executor, closed_loop: bool) -> None:
     env = executor.env
     mine = {key: {"shape": list(shape), "dtype": np.dtype(dtype).str}
             for key, (shape, dtype) in env.obs_spec.items()}
+    theirs = {key: {"shape": list(spec["shape"]), "dtype": np.dtype(spec["dtype"]).str}
+              for key, spec in meta["obs_spec"].items()}  # "float32" is "<f4" too
     problems = []
-    if meta["obs_spec"] != mine:
-        problems.append(f"the policy reads observations {meta['obs_spec']}, this environment "
-                        f"gives {mine}")
+    if theirs != mine:
+        problems.append(f"the policy reads observations {theirs}, this environment gives {mine}")
     server_space = action_space(meta["action_dim"], meta.get("num_actions"))
     if closed_loop:
         needed = action_space(executor.controller.decision_dim, None)
