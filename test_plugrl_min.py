@@ -3519,6 +3519,381 @@ def test_binding_a_non_loopback_address_with_plugrl_token_prints_no_warning(tmp_
     assert "warning" not in err
 
 # =============================================================================================
+# Discrete actions: categorical-policy, cartpole-v1, gym:ID with a Discrete action space
+# =============================================================================================
+
+def gymnasium_or_skip():
+    return pytest.importorskip("gymnasium", reason="gymnasium is not installed (pip install gymnasium)")
+
+
+def test_cartpole_v1_steps_as_gymnasiums_cartpole_v1():
+    gymnasium = gymnasium_or_skip()
+    theirs = gymnasium.make("CartPole-v1").unwrapped
+    theirs.reset(seed=0)
+    ours = make_env("cartpole-v1", 1, seed=0)
+    ours.reset()
+    actions = np.random.default_rng(0).integers(0, 2, 400)
+    endings = 0
+    for action in actions:
+        theirs.state = ours.state[0].copy()  # the same state, then the same action
+        obs, reward, terminated, _, _ = theirs.step(int(action))
+        our_obs, our_reward, our_terminated, _, _ = ours.step(np.array([[action]]))
+        np.testing.assert_array_equal(our_obs["state"][0], obs)
+        assert (our_reward[0], our_terminated[0]) == (reward, terminated)
+        if terminated:
+            endings += 1
+            ours.reset()
+            theirs.reset()
+    assert endings > 5  # the terminations were compared too, not only upright steps
+
+
+def test_cartpole_v1_truncates_after_500_steps_as_a_success():
+    env = make_env("cartpole-v1", 1, seed=0)
+    env.reset()
+    for step in range(500):
+        env.state[:] = 0.0  # held upright: it never falls
+        _, reward, terminated, truncated, info = env.step(np.array([[step % 2]]))
+    assert reward[0] == 1.0 and not terminated[0] and truncated[0]
+    assert info["episode"]["l"][0] == 500 and info["episode"]["s"][0]
+
+
+def test_categorical_policy_sends_int64_indices_n_h_1_and_keeps_its_sample_and_log_prob():
+    policy = make_policy("categorical-policy", variant="cartpole")
+    action, runtime_state = policy.get_action_and_runtime_state({"state": np.zeros((5, 4), np.float32)})
+    assert action.dtype == np.int64 and action.shape == (5, 1, 1) and set(action.ravel()) <= {0, 1}
+    assert runtime_state["sample"].tolist() == action[:, 0, 0].tolist()
+    expected = policy.distribution(torch.zeros(5, 4)).log_prob(torch.from_numpy(runtime_state["sample"]))
+    np.testing.assert_allclose(runtime_state["log_prob"], expected.detach().numpy(), rtol=1e-6)
+    fake = policy.fake_runtime_state(3)
+    assert {key: value.shape for key, value in fake.items()} == {"action": (3, 1, 1), "sample": (3,),
+                                                                 "log_prob": (3,)}
+
+
+def serve_and_run_client(tmp_path, policy_words, client_args, steps="200"):
+    """A server of these policy words with the dummy algorithm, and one env client: both results."""
+    with Background(tmp_path, "server", ["plugrl_min.py", *policy_words, "dummy", "default", "--port", "0",
+                                         "--algo.global-steps", steps, "--run-dir", str(tmp_path / "run")]) as server:
+        client = python("plugrl_min.py", "env-client", *client_args, "--server-port", str(server.port()),
+                        "--num-episodes", "1000000")
+        if client.returncode != 0:
+            server.proc.terminate()
+        status = server.wait(60)
+    return status, server, client
+
+
+def test_a_categorical_policy_server_runs_cartpole_episodes_over_the_wire(tmp_path):
+    status, server, client = serve_and_run_client(tmp_path, ["categorical-policy", "cartpole"],
+                                                  ["cartpole-v1", "--num-envs", "4"], steps="400")
+    assert status == 0 and client.returncode == 0, client.stderr
+    assert "the server ended the run" in client.stdout
+    end = read_metrics(tmp_path / "run", event="end")[0]
+    assert end["step"] == 400
+    lines = read_metrics(tmp_path / "run", event=None)
+    assert sum(line["rollout/episodes"] for line in lines) > 0
+
+
+@pytest.mark.parametrize("policy_words, env_id, server_space, client_space", [
+    (["categorical-policy", "default"], "cartpole-v1", None, None),
+    (["dummy-policy", "default", "--policy.obs-dim", "4"], "cartpole-v1", "continuous, action_dim 1",
+     "discrete, 2 actions"),
+    (["categorical-policy", "default", "--policy.obs-dim", "3"], "dummy-v1", "discrete, 2 actions",
+     "continuous, action_dim 1"),
+], ids=["fits", "continuous server, discrete client", "discrete server, continuous client"])
+def test_a_client_whose_action_space_differs_stops_naming_both(tmp_path, policy_words, env_id, server_space,
+                                                               client_space):
+    flags = policy_words[2:]
+    with Background(tmp_path, "server", ["plugrl_min.py", *policy_words[:2], "dummy", "default", *flags,
+                                         "--port", "0", "--algo.global-steps", "50",
+                                         "--run-dir", str(tmp_path / "run")]) as server:
+        client = python("plugrl_min.py", "env-client", env_id, "--server-port", str(server.port()),
+                        "--num-episodes", "1000000")
+    if server_space is None:
+        assert client.returncode == 0, client.stderr
+        return
+    assert client.returncode == 1
+    message = client.stderr.strip().splitlines()[-1]
+    assert f"the policy's actions are {server_space}, this client needs {client_space}" in message
+
+
+def test_gym_cartpole_runs_through_the_discrete_action_path(tmp_path):
+    gymnasium_or_skip()
+    env = make_env("gym:CartPole-v1", 2, seed=0)
+    assert (env.num_actions, env.action_dim, env.max_steps, env.obs_dim) == (2, 1, 500, 4)
+    executor = MultiAction(env)
+    executor.reset()
+    for _ in range(30):
+        obs, reward, terminated, truncated, _ = executor.step(np.ones((2, 1, 1), np.int64))
+        if (terminated | truncated).any():
+            executor.reset(np.flatnonzero(terminated | truncated))
+    assert obs["state"].shape == (2, 4) and reward.tolist() == [1.0, 1.0]
+
+
+def test_gym_environment_with_another_action_space_is_refused_naming_it():
+    gymnasium = gymnasium_or_skip()
+
+    class TwoKnobs(gymnasium.Env):
+        observation_space = gymnasium.spaces.Box(-1, 1, (2,))
+        action_space = gymnasium.spaces.MultiDiscrete([3, 3])
+
+    if "TwoKnobs-v0" not in gymnasium.registry:
+        gymnasium.register("TwoKnobs-v0", entry_point=TwoKnobs)
+    with pytest.raises(SystemExit, match="has a MultiDiscrete action space; plugrl_min runs Box and Discrete"):
+        make_env("gym:TwoKnobs-v0", 1)
+
+
+# =============================================================================================
+# Your own environment (register_env), curves to look at (TensorBoard, the chart at the end)
+# =============================================================================================
+
+MY_ENV = '''
+import numpy as np
+from plugrl_min import VecEnv, register_env
+
+
+@register_env("my-line-v0")
+class MyLine(VecEnv):
+    """A point on a line moves by the action; reward -|x|; 20 steps an episode."""
+    max_steps = 20
+
+    def __init__(self, num_envs, seed=None):
+        self.x = np.zeros(num_envs)
+        super().__init__(num_envs, seed)
+
+    def _reset(self, rows):
+        self.x[rows] = self.rng.uniform(-1, 1, len(rows))
+
+    def _step(self, action, rows):
+        self.x[rows] += 0.1 * np.clip(action[:, 0], -1, 1)
+        return -np.abs(self.x[rows]), np.zeros(len(rows), bool), np.zeros(len(rows), bool)
+
+    def _observe(self):
+        return np.stack([self.x, np.zeros_like(self.x), -self.x], axis=1).astype(np.float32)
+'''
+
+
+def test_a_plugins_environment_runs_in_the_env_client_by_its_id(tmp_path):
+    write_plugin(tmp_path, "my_env", MY_ENV)
+    with Background(tmp_path, "server", ["plugrl_min.py", "dummy-policy", "default", "dummy", "default",
+                                         "--port", "0", "--algo.global-steps", "100",
+                                         "--run-dir", str(tmp_path / "run")]) as server:
+        client = python("plugrl_min.py", "env-client", "my-line-v0", "--plugin", "my_env", "--server-port",
+                        str(server.port()), "--num-episodes", "1000000", pythonpath=tmp_path)
+        status = server.wait(60)
+    assert status == 0 and client.returncode == 0, client.stderr
+    assert read_metrics(tmp_path / "run", event="end")[0]["rollout/length"] == 20
+
+
+def test_a_plugins_environment_is_listed_in_help_and_trains_with_local_clients(tmp_path):
+    write_plugin(tmp_path, "my_env", MY_ENV)
+    listed = python("plugrl_min.py", "--help", "--plugin", "my_env", pythonpath=tmp_path)
+    assert re.search(r"environments.*\bmy-line-v0\b", listed.stdout), listed.stdout
+    run = python("plugrl_min.py", "dummy-policy", "default", "dummy", "default", "--plugin", "my_env",
+                 "--local-env-clients", "1", "--local-env", "my-line-v0", "--local-num-envs", "2", "--port", "0",
+                 "--algo.global-steps", "60", "--run-dir", str(tmp_path / "run"), pythonpath=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert read_metrics(tmp_path / "run", event="end")[0]["rollout/length"] == 20
+
+
+def test_an_unknown_environment_is_a_one_line_error_listing_the_registered_ones():
+    result = python("plugrl_min.py", "env-client", "no-such-env-v0", "--connect-timeout", "1")
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "unknown environment 'no-such-env-v0'" in line
+    assert "dummy-v1, pendulum-v1, cartpole-v1, counting-v1, gym:ENV_ID" in line and "register_env" in line
+
+
+def short_dummy_run(tmp_path, *flags):
+    """A dummy run of 400 frames (a learn every 100) with one local dummy-v1 client of 4 environments."""
+    return python("plugrl_min.py", "dummy-policy", "default", "dummy", "default", "--port", "0",
+                  "--algo.global-steps", "400", "--algo.learn-every", "100", "--local-env-clients", "1",
+                  "--local-num-envs", "4", "--run-dir", str(tmp_path / "run"), *flags)
+
+
+def test_tensorboard_event_files_hold_the_rollout_reward_of_every_learn(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install tensorboard)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert short_dummy_run(tmp_path).returncode == 0
+    events = EventAccumulator(str(tmp_path / "run"))
+    events.Reload()
+    rewards = [event.value for event in events.Scalars("rollout/reward")]
+    lines = read_metrics(tmp_path / "run", event=None)
+    assert rewards == pytest.approx([line["rollout/reward"] for line in lines])
+
+
+def test_without_tensorboard_the_run_is_the_same_and_says_nothing_of_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # `import` now fails
+
+    async def script(port, server):
+        await run_rounds(port, [1], 3)
+
+    status, _ = run_server(LearnsEveryFour(), tmp_path, script)
+    assert status == 0 and plugrl_min.open_tensorboard(str(tmp_path)) is None
+    assert not glob.glob(str(tmp_path / "events.out.tfevents.*"))
+    assert read_metrics(tmp_path, event=None)
+    assert "tensorboard" not in capsys.readouterr().out.lower()
+
+
+def test_every_run_ends_with_a_text_chart_of_the_rollout_reward(tmp_path):
+    result = short_dummy_run(tmp_path)
+    assert result.returncode == 0, result.stderr
+    chart = result.stdout.split("run finished: global step 400, 4 learns\n", 1)[1].splitlines()
+    assert re.fullmatch(r"\s+frames\s+rollout/reward", chart[0])
+    rows = [line.split() for line in chart[1:]]
+    lines = [line for line in read_metrics(tmp_path / "run", event=None) if line["rollout/episodes"]]
+    assert [float(row[1]) for row in rows] == pytest.approx([line["rollout/reward"] for line in lines], abs=0.01)
+    assert all(set(row[2]) == {"#"} for row in rows)
+
+
+def test_the_text_chart_keeps_a_dozen_evenly_spaced_rows_with_the_first_and_the_last():
+    curve = [(100 * i, float(i)) for i in range(1, 101)]
+    rows = plugrl_min.text_chart(curve).splitlines()[1:]
+    assert len(rows) == 12
+    assert rows[0].split()[:2] == ["100", "1.00"] and rows[-1].split()[:2] == ["10000", "100.00"]
+    assert len(rows[0].split()[2]) == 1 and len(rows[-1].split()[2]) == 40
+
+
+# =============================================================================================
+# --trace: the contract, watched as it runs
+# =============================================================================================
+
+TRACE_LINE = re.compile(r"trace: conn (\d+) env (\d+) \| infer batch of (\d+) at version (\d+) \| action \[.*\] \| "
+                        r"-> (feedback|discard_feedback) \((.*)\) \| prev_node (.*) -> (.*)")
+
+
+class LearnsEveryTwo(Probe):
+    on_policy = True
+    learn_every = 2
+
+
+def test_trace_shows_a_stale_frame_discarded_after_a_learn_with_the_versions(tmp_path, capsys):
+    algo = LearnsEveryTwo()
+
+    async def script(port, server):
+        a, b = await Client.connect(port), await Client.connect(port)
+        await b.infer([0], [2])  # b acts with version 0 ...
+        await a.step([0], [1])
+        await a.step([0], [1])  # ... a's second frame makes the learn due: version 1
+        await eventually(lambda: algo.learns == 1)
+        await b.feedback([0], [2])  # b's frame is stale now
+        await eventually(lambda: algo.discarded == 1)
+        await a.close()
+        await b.close()
+
+    run_server(algo, tmp_path, script, trace=10)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("trace:")]
+    assert lines[2] == "trace: learn 1 -> policy version 1"
+    frames = [TRACE_LINE.fullmatch(line) for line in lines if "env" in line]
+    assert all(frames), lines
+    assert [match.group(5) for match in frames] == ["feedback", "feedback", "discard_feedback"]
+    conn, env, size, version, _, why, node_in, node_out = frames[2].groups()
+    assert (conn, env, version) == ("2", "0", "0")
+    assert why == "stale: acted with version 0, the policy is version 1"
+    assert (node_in, node_out) == ("(-1, '')", "(-1, '')")
+    assert frames[1].group(7, 8) == ("(-1, '')", "(-1, '')")  # the probe returns the node it is given
+
+
+def test_trace_says_learn_due_for_a_frame_that_arrives_once_the_batch_is_full(tmp_path, capsys):
+    algo = LearnsEveryTwo()
+
+    async def script(port, server):
+        client = await Client.connect(port)
+        await client.step([0, 1, 2], [1, 2, 3])  # three frames in one message: the third is one too many
+        await eventually(lambda: algo.learns == 1)
+        await client.close()
+
+    run_server(algo, tmp_path, script, trace=3)
+    frames = [TRACE_LINE.fullmatch(line) for line in capsys.readouterr().out.splitlines() if "env" in line]
+    assert frames[2].group(5, 6) == ("discard_feedback", "learn due: should_learn() is true")
+
+
+def test_no_trace_by_default(tmp_path, capsys):
+    async def script(port, server):
+        await run_rounds(port, [1, 2], 5)
+        await eventually(lambda: algo.learns >= 1)
+
+    algo = LearnsEveryTwo()
+    run_server(algo, tmp_path, script)
+    assert "trace:" not in capsys.readouterr().out
+
+
+def test_trace_narrates_the_first_n_frames_only(tmp_path, capsys):
+    algo = Probe()
+
+    async def script(port, server):
+        await run_rounds(port, [1], 10)
+        await eventually(lambda: len(algo.frames) == 10)
+
+    run_server(algo, tmp_path, script, trace=4)
+    frames = [line for line in capsys.readouterr().out.splitlines() if line.startswith("trace: conn")]
+    assert len(frames) == 4 and all("-> feedback (off-policy: every frame is stored)" in line for line in frames)
+
+
+# =============================================================================================
+# The first errors a student meets say what to do
+# =============================================================================================
+
+def test_an_unknown_algorithm_names_plugin_as_the_likely_fix():
+    result = python("plugrl_min.py", "dummy-policy", "default", "reinforce", "default")
+    assert result.returncode == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert "unknown algorithm 'reinforce'" in line and "--plugin MODULE" in line
+
+
+def test_plugin_given_as_a_file_name_says_to_drop_the_py(tmp_path):
+    write_plugin(tmp_path, "my_algo", "")
+    result = python("plugrl_min.py", "dummy-policy", "default", "dummy", "default", "--plugin", "my_algo.py",
+                    pythonpath=tmp_path)
+    assert result.returncode != 0
+    assert result.stderr.strip() == "error: --plugin takes a module name, not a file: --plugin my_algo"
+
+
+CHECKS_ITS_CONFIG = '''
+import dataclasses
+from plugrl_min import DummyAlgoConfig, DummyAlgorithm, register_algo, register_algo_config
+
+
+@register_algo_config("picky")
+@dataclasses.dataclass
+class PickyConfig(DummyAlgoConfig):
+    rate: float = 0.1
+
+
+@register_algo("picky")
+class Picky(DummyAlgorithm):
+    def __init__(self, config, policy):
+        if not 0 < config.rate < 1:
+            raise ValueError(f"rate must be in (0, 1), got {config.rate}")
+        super().__init__(config=config, policy=policy)
+'''
+
+
+def test_an_error_building_the_algorithm_keeps_its_traceback_and_names_the_step(tmp_path):
+    write_plugin(tmp_path, "picky", CHECKS_ITS_CONFIG)
+    result = python("plugrl_min.py", "dummy-policy", "default", "picky", "default", "--plugin", "picky",
+                    "--algo.rate", "2", pythonpath=tmp_path)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == "Traceback (most recent call last):"
+    assert "ValueError: rate must be in (0, 1), got 2.0" in lines
+    assert lines[-1] == "error: building algorithm 'picky' from its config failed (the traceback above says why)"
+
+
+def test_a_server_started_alone_says_how_to_start_a_client(tmp_path):
+    with Background(tmp_path, "server", ["plugrl_min.py", "categorical-policy", "cartpole", "dummy", "default",
+                                         "--port", "0", "--run-dir", str(tmp_path / "run")]) as server:
+        port = server.port()
+        wait_for(lambda: "--local-env-clients 1" in server.stdout(), 10, "the hint")
+        out = server.stdout()
+        command = re.search(r"^  (python plugrl_min\.py env-client .*)$", out, re.MULTILINE).group(1)
+        assert command == (f"python plugrl_min.py env-client cartpole-v1 --server-port {port} --num-envs 1 "
+                           "--num-episodes 1000000000")
+        client = python(*command.split()[1:-2], "--num-episodes", "2")  # the command as printed, shorter
+    assert client.returncode == 0, client.stderr
+    assert "or run this server with --local-env-clients 1 to do both in one command" in out
+
+
+# =============================================================================================
 # sac_example.py: an off-policy learner over the wire
 # =============================================================================================
 
