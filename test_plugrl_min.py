@@ -26,6 +26,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from torch import nn
 import websockets
 from websockets.asyncio.client import connect
 
@@ -4133,3 +4134,253 @@ def test_gym_environment_without_gymnasium_says_which_package_to_install(monkeyp
     monkeypatch.setitem(sys.modules, "gymnasium", None)  # as if it were not installed: its import fails
     with pytest.raises(SystemExit, match="pip install gymnasium"):
         make_env("gym:Pendulum-v1", 1)
+
+
+# =============================================================================================
+# Benchmarks, opt-in: PLUGRL_BENCH=1 python -m pytest test_plugrl_min.py -k bench -s
+# =============================================================================================
+# They print tables (the README quotes them) and take minutes; a normal test run skips them.
+
+bench = pytest.mark.skipif(os.environ.get("PLUGRL_BENCH") != "1",
+                           reason="a benchmark: run with PLUGRL_BENCH=1 ... -k bench -s")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_listening(port: int, process, timeout=60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the server exited with {process.returncode}"
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError(f"no server on port {port} after {timeout} s")
+
+
+# --- SAC over the wire against CleanRL's loop in-process, pendulum-v1 -------------------------
+
+def sac_seed(seed: int, steps: int, folder) -> dict:
+    """One SAC server and one pendulum-v1 client as processes: the client's summary, timed."""
+    port = str(free_port())
+    server = subprocess.Popen([sys.executable, "plugrl_min.py", "dummy-policy", "default", "sac", "default",
+                               "--port", port, "--seed", str(seed), "--algo.global-steps", str(steps),
+                               "--run-dir", str(folder / f"seed{seed}")], cwd=HERE, stdout=subprocess.DEVNULL)
+    try:
+        client = python("plugrl_min.py", "env-client", "pendulum-v1", "--server-port", port, "--seed", str(seed),
+                        "--num-episodes", "1000000", "--summary-json", str(folder / f"seed{seed}.json"),
+                        "--connect-timeout", "60", timeout=3600)
+        assert client.returncode == 0, client.stderr
+        assert server.wait(60) == 0
+    finally:
+        server.kill()
+    with open(folder / f"seed{seed}.json") as file:
+        return json.load(file)
+
+
+def cleanrl_update_ms(updates: int = 400) -> float:
+    """ms per learning step of CleanRL's SAC loop on the pendulum, in-process and written its way:
+    nn.Linear critics, torch.distributions, a second sample for alpha, three Adams, a Python
+    target update, one action per environment step."""
+    def mlp(n_in, n_out):
+        return nn.Sequential(nn.Linear(n_in, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, n_out))
+
+    actor, qf1, qf2, qf1_target, qf2_target = mlp(3, 2), mlp(4, 1), mlp(4, 1), mlp(4, 1), mlp(4, 1)
+    log_alpha, alpha = torch.zeros(1, requires_grad=True), 1.0
+    q_optimizer = torch.optim.Adam(list(qf1.parameters()) + list(qf2.parameters()), lr=1e-3)
+    actor_optimizer = torch.optim.Adam(actor.parameters(), lr=3e-4)
+    alpha_optimizer = torch.optim.Adam([log_alpha], lr=1e-3)
+    frames = np.random.randn(20_000, 9).astype(np.float32)  # obs 3, action 1, reward, next obs 3, done
+
+    def get_action(x):  # CleanRL's Actor.get_action, action scale 2
+        mean, log_std = actor(x).chunk(2, dim=-1)
+        normal = torch.distributions.Normal(mean, (-5 + 3.5 * (torch.tanh(log_std) + 1)).exp())
+        x_t = normal.rsample()
+        log_prob = normal.log_prob(x_t) - torch.log(2 * (1 - torch.tanh(x_t).pow(2)) + 1e-6)
+        return 2 * torch.tanh(x_t), log_prob.sum(1, keepdim=True)
+
+    for step in range(50 + updates):  # the first 50 warm up
+        if step == 50:
+            start = time.perf_counter()
+        get_action(torch.Tensor(frames[:1, :3]))[0].detach().numpy()  # the action of this env step
+        batch = torch.tensor(frames[np.random.randint(0, len(frames), 256)])
+        obs, action, reward, next_obs, done = batch.split([3, 1, 1, 3, 1], dim=1)
+        with torch.no_grad():
+            next_action, next_log_prob = get_action(next_obs)
+            next_sa = torch.cat([next_obs, next_action], 1)
+            next_q = torch.min(qf1_target(next_sa), qf2_target(next_sa)) - alpha * next_log_prob
+            target = reward.flatten() + (1 - done.flatten()) * 0.99 * next_q.view(-1)
+        sa = torch.cat([obs, action], 1)
+        q_loss = (nn.functional.mse_loss(qf1(sa).view(-1), target)
+                  + nn.functional.mse_loss(qf2(sa).view(-1), target))
+        q_optimizer.zero_grad()
+        q_loss.backward()
+        q_optimizer.step()
+        if step % 2 == 0:  # policy_frequency 2: two actor steps every second update
+            for _ in range(2):
+                pi, log_pi = get_action(obs)
+                s_pi = torch.cat([obs, pi], 1)
+                actor_loss = (alpha * log_pi - torch.min(qf1(s_pi), qf2(s_pi))).mean()
+                actor_optimizer.zero_grad()
+                actor_loss.backward()
+                actor_optimizer.step()
+                with torch.no_grad():
+                    _, log_pi = get_action(obs)
+                alpha_loss = (-log_alpha.exp() * (log_pi - 1)).mean()  # target entropy -1
+                alpha_optimizer.zero_grad()
+                alpha_loss.backward()
+                alpha_optimizer.step()
+                alpha = log_alpha.exp().item()
+        for q, q_target in ((qf1, qf1_target), (qf2, qf2_target)):
+            for param, target_param in zip(q.parameters(), q_target.parameters()):
+                target_param.data.copy_(0.005 * param.data + 0.995 * target_param.data)
+    return 1000 * (time.perf_counter() - start) / updates
+
+
+@bench
+def test_bench_sac_learns_pendulum_over_the_wire_no_slower_than_cleanrl_in_process(tmp_path):
+    seeds, steps, bar = 3, 15_000, -200.0
+    updates = steps - sac_example.SACConfig().learning_starts
+    rows = []
+    for seed in range(1, seeds + 1):  # one at a time: two runs would share the cores
+        summary = sac_seed(seed, steps, tmp_path)
+        last10 = float(np.mean(summary["returns"][-10:]))
+        # CleanRL's loop, timed right after the run (same machine, same load), without its
+        # 5,000 random steps (about a second): in CleanRL's favour.
+        reference = updates * cleanrl_update_ms() / 1000
+        rows.append((last10, summary["seconds"], reference))
+        print(f"seed {seed}: last-10 mean return {last10:8.1f} | {summary['seconds']:6.1f} s "
+              f"(CleanRL in-process {reference:.1f} s) | {summary['env_steps']} env steps | "
+              f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    returns, seconds, references = (np.array(column) for column in zip(*rows))
+    learns = bool((returns >= bar).all())
+    fast = seconds.mean() <= references.mean()  # one seed's time swings by a tenth with load
+    print(f"summary: returns {'PASS' if learns else 'FAIL'} (worst last-10 mean {returns.min():.1f}, bar {bar:g})"
+          f" | speed {'PASS' if fast else 'FAIL'} (mean {seconds.mean():.1f} s per seed, CleanRL in-process "
+          f"{references.mean():.1f} s)")
+    assert learns and fast
+
+
+# --- Throughput: the full server against a floor server, in the same run ----------------------
+
+FLOOR_SERVER = '''
+import asyncio, sys, numpy as np, torch
+sys.path.insert(0, ".")
+torch.set_num_threads(1)
+import plugrl_min as p
+from websockets.asyncio.server import serve
+policy = p.make_policy("dummy-policy")
+server = p.Server(p.make_algo("dummy", policy), "/dev/null", ("dummy-policy", "floor"))
+async def handler(ws):  # the protocol and the policy, and nothing else
+    await ws.send(p.pack_message(server.metadata))
+    async for frame in ws:
+        message = p.unpack_message(frame)
+        if message["message_type"] == "infer":
+            action, _ = policy.get_action_and_runtime_state(message["obs"])
+            await ws.send(p.pack_message({"message_type": "action", "env_indices": message["env_indices"],
+                                          "action": np.asarray(action, np.float32)}))
+async def main():
+    async with serve(handler, "127.0.0.1", int(sys.argv[1]), compression=None, max_size=None):
+        await asyncio.Future()
+asyncio.run(main())
+'''
+
+
+def peak_memory_mb(pid) -> float:
+    with open(f"/proc/{pid}/status") as file:
+        return next(int(line.split()[1]) / 1024 for line in file if line.startswith("VmHWM:"))
+
+
+def run_layout(clients, envs, episodes, folder, floor=False) -> dict:
+    """`clients` dummy-v1 env clients of `envs` environments against the full or the floor server."""
+    port = free_port()
+    command = (["-c", FLOOR_SERVER, str(port)] if floor else
+               ["plugrl_min.py", "dummy-policy", "default", "dummy", "default", "--port", str(port),
+                "--algo.global-steps", str(10**12), "--run-dir", str(folder / f"run-{port}")])
+    server = subprocess.Popen([sys.executable, *command], cwd=HERE, stdout=subprocess.DEVNULL)
+    try:
+        wait_listening(port, server)
+        summaries = [folder / f"summary-{port}-{i}.json" for i in range(clients)]
+        processes = [subprocess.Popen([sys.executable, "plugrl_min.py", "env-client", "dummy-v1", "--server-port",
+                                       str(port), "--num-envs", str(envs), "--num-episodes", str(episodes),
+                                       "--summary-json", str(path)], cwd=HERE, stdout=subprocess.DEVNULL)
+                     for path in summaries]
+        assert all(process.wait(600) == 0 for process in processes)
+        memory = peak_memory_mb(server.pid)
+    finally:
+        server.kill()
+        server.wait()
+    results = [json.loads(path.read_text()) for path in summaries]
+    steps = sum(result["env_steps"] for result in results)
+    return {"rate": steps / max(result["seconds"] for result in results), "memory_mb": memory}
+
+
+def layout_pair(clients, envs, seconds, folder):
+    """The same work on both servers, sized so the full server runs about `seconds`."""
+    probe = run_layout(clients, envs, max(4, 2 * envs), folder)
+    episodes = max(4, int(probe["rate"] * seconds / clients / 50))  # dummy-v1: at most 50 steps
+    return run_layout(clients, envs, episodes, folder), run_layout(clients, envs, episodes, folder, floor=True)
+
+
+CODEC = '''
+import functools, json, sys, timeit, numpy as np
+sys.path.insert(0, ".")
+import plugrl_min as p
+import msgpack, msgpack_numpy
+pack = functools.partial(msgpack.packb, default=msgpack_numpy.encode)
+unpack = functools.partial(msgpack.unpackb, object_hook=msgpack_numpy.decode)
+out = {}
+for n in (1, 64):
+    rng = np.random.default_rng(0)
+    infer = {"message_type": "infer", "env_indices": np.arange(n), "obs": {"state": rng.random((n, 3), np.float32)}}
+    action = {"message_type": "action", "env_indices": np.arange(n), "action": rng.random((n, 1, 1), np.float32)}
+    feedback = {"message_type": "feedback", "env_indices": np.arange(n), "obs": {"state": rng.random((n, 3), np.float32)},
+                "reward": rng.random(n, np.float32), "terminated": np.zeros(n, bool), "truncated": np.zeros(n, bool),
+                "info": {"episode": {"r": rng.random(n, np.float32), "l": np.ones(n, np.int64),
+                                     "s": np.zeros(n, bool), "mask": np.ones(n, bool)}}}
+    ours = theirs = 0.0
+    for m in (infer, action, feedback):
+        ours += min(timeit.repeat(lambda: p.unpack_message(p.pack_message(m)), number=2000, repeat=5)) / 2000
+        theirs += min(timeit.repeat(lambda: unpack(pack(m)), number=2000, repeat=5)) / 2000
+    out[n] = (ours * 1e6, theirs * 1e6)
+print(json.dumps(out))
+'''
+
+
+@bench
+def test_bench_throughput_against_the_protocols_floor(tmp_path):
+    bars = {"one": 0.9, "64 envs": 0.9, "8x8": 1.0, "batching": 15.0, "memory": 100.0, "codec": 1.0}
+    one, one_floor = layout_pair(1, 1, 4.0, tmp_path)
+    b64, b64_floor = layout_pair(1, 64, 4.0, tmp_path)
+    many, many_floor = layout_pair(8, 8, 4.0, tmp_path)
+    torch_only = subprocess.run([sys.executable, "-c", "import torch; print(open('/proc/self/status').read())"],
+                                capture_output=True, text=True, check=True).stdout
+    torch_mb = next(int(line.split()[1]) / 1024 for line in torch_only.splitlines() if line.startswith("VmHWM:"))
+    ratios = {"one": one["rate"] / one_floor["rate"], "64 envs": b64["rate"] / b64_floor["rate"],
+              "8x8": many["rate"] / many_floor["rate"], "batching": b64["rate"] / one["rate"],
+              "memory": many["memory_mb"] - torch_mb}
+    for name, label, full, floor in (("one", "1 client x 1 env  ", one, one_floor),
+                                     ("64 envs", "1 client x 64 envs", b64, b64_floor),
+                                     ("8x8", "8 clients x 8 envs", many, many_floor)):
+        print(f"{label}   full {full['rate']:8.0f}  floor {floor['rate']:8.0f} env steps/s  "
+              f"{ratios[name]:.2f} x floor (bar {bars[name]})")
+    print(f"batching             {ratios['batching']:8.1f} x   64 envs over 1 env, full server (bar {bars['batching']})")
+    print(f"server peak memory   {many['memory_mb']:8.0f} MB  {ratios['memory']:+.0f} MB over bare torch "
+          f"{torch_mb:.0f} MB (bar +{bars['memory']:.0f})")
+    codec = subprocess.run([sys.executable, "-c", CODEC], cwd=HERE, capture_output=True, text=True)
+    if codec.returncode == 0:
+        for n, (ours, theirs) in sorted(json.loads(codec.stdout).items(), key=lambda item: int(item[0])):
+            ratios[f"codec {n}"] = ours / theirs
+            print(f"codec, {int(n):2d} env(s)     plugrl_min {ours:5.1f} us, msgpack-numpy {theirs:5.1f} us "
+                  f"(a step's three messages, pack and unpack)  {ours / theirs:.2f} x (bar <= {bars['codec']})")
+    else:
+        print("codec                not measured: pip install msgpack-numpy to compare")
+    short = [name for name in ("one", "64 envs", "8x8", "batching") if ratios[name] < bars[name]]
+    short += ["memory"] if ratios["memory"] > bars["memory"] else []
+    short += [name for name in ratios if name.startswith("codec") and ratios[name] > bars["codec"]]
+    print("all bars hold" if not short else f"short of the bar: {', '.join(short)}")
