@@ -994,8 +994,9 @@ class Server:
                      for i in env_ids]
             for i, slot in zip(env_ids, slots):
                 if slot.waiting or slot.step is not None:
-                    raise ProtocolError(f"infer: environment {i} owes feedback for its last "
-                                        "action", "send feedback after every action, then infer")
+                    owes = "waits for its last action" if slot.waiting else "owes feedback"
+                    raise ProtocolError(f"infer: environment {i} {owes}",
+                                        "send feedback after every action, then infer")
                 slot.waiting = True
             return InferRequest(conn, message["env_indices"], message["obs"])
         slots = [conn.slots.get(i) for i in env_ids]
@@ -1355,11 +1356,16 @@ def text_chart(curve: list, rows: int = 12, width: int = 40) -> str:
 # protocol reference in README.md, and a bad one gets an error naming the field and what it
 # must be. The algorithm only ever sees messages that passed.
 
+MISSING = object()  # what message.get(field, MISSING) gives for a field left out
+
+
 def describe(value) -> str:
-    """How an error names what it received: 'int64 [4, 1]', 'a list', 'nothing'."""
+    """How an error names what it received: 'int64 [4, 1]', 'a list', 'null', 'nothing'."""
     if isinstance(value, np.ndarray):
         return f"{value.dtype.name} {list(value.shape)}"
-    return "nothing (the field is missing)" if value is None else f"a {type(value).__name__}"
+    if value is MISSING:
+        return "nothing (the field is missing)"
+    return "null" if value is None else f"a {type(value).__name__}"
 
 
 def mismatch(field: str, expected: str, value) -> ProtocolError:
@@ -1382,7 +1388,7 @@ def check_message(message: dict, obs_spec: dict) -> tuple[str, list]:
     if kind not in ("infer", "feedback"):
         raise ProtocolError(f"message_type must be 'infer' or 'feedback'; got {str(kind)[:40]!r}",
                             PROTOCOL_HINT)
-    indices = message.get("env_indices")
+    indices = message.get("env_indices", MISSING)
     if not (isinstance(indices, np.ndarray) and indices.dtype == np.int64 and indices.ndim == 1):
         raise mismatch(f"{kind}.env_indices", "int64 [n]", indices)
     env_ids = indices.tolist()
@@ -1390,32 +1396,33 @@ def check_message(message: dict, obs_spec: dict) -> tuple[str, list]:
     if len(set(env_ids)) != n or min(env_ids, default=0) < 0:
         raise ProtocolError(f"{kind}.env_indices must be distinct and non-negative; got "
                             f"{str(env_ids)[:60]}", "send each environment once per message")
-    check_obs(message.get("obs"), obs_spec, n, f"{kind}.obs")
+    check_obs(message.get("obs", MISSING), obs_spec, n, f"{kind}.obs")
     if kind == "infer":
         return kind, env_ids
-    reward = message.get("reward")
+    reward = message.get("reward", MISSING)
     if not (isinstance(reward, np.ndarray) and reward.dtype in (np.float32, np.float64)
             and reward.ndim in (1, 2) and len(reward) == n):
         raise mismatch("feedback.reward", f"float32 or float64 [m] or [m, k] with m = {n}", reward)
     for name in ("terminated", "truncated"):
-        if not is_array(message.get(name), "b", (n,)):
-            raise mismatch(f"feedback.{name}", f"bool [m] with m = {n}", message.get(name))
+        flags = message.get(name, MISSING)
+        if not is_array(flags, "b", (n,)):
+            raise mismatch(f"feedback.{name}", f"bool [m] with m = {n}", flags)
     info = message.get("info", {})
     if not isinstance(info, dict):
         raise mismatch("feedback.info", "a dict of arrays [m, ...], or left out", info)
-    for path, leaf in _leaves(info, "feedback.info"):
-        if not (isinstance(leaf, np.ndarray) and leaf.shape[:1] == (n,)):
-            raise mismatch(path, f"an array [m, ...] with m = {n}", leaf)
     finite = {"feedback.reward": reward}
-    episode = info.get("episode")
-    if episode is not None:
+    if "episode" in info:
+        episode = info["episode"]
         if not isinstance(episode, dict):
             raise mismatch("feedback.info.episode", "a dict of r, l, s and mask", episode)
         for key, kinds, expected in EPISODE_FIELDS:
-            if not is_array(episode.get(key), kinds, (n,)):
-                raise mismatch(f"feedback.info.episode.{key}", f"{expected} [m] with m = {n}",
-                               episode.get(key))
+            value = episode.get(key, MISSING)
+            if not is_array(value, kinds, (n,)):
+                raise mismatch(f"feedback.info.episode.{key}", f"{expected} [m] with m = {n}", value)
         finite["feedback.info.episode.r"] = episode["r"]
+    for path, leaf in _leaves(info, "feedback.info"):
+        if not (isinstance(leaf, np.ndarray) and leaf.shape[:1] == (n,)):
+            raise mismatch(path, f"an array [m, ...] with m = {n}", leaf)
     for field, array in finite.items():
         if not np.isfinite(array).all():
             raise ProtocolError(f"{field} holds NaN or infinity", PROTOCOL_HINT)

@@ -3876,6 +3876,288 @@ def test_a_server_started_alone_says_how_to_start_a_client(tmp_path):
 
 
 # =============================================================================================
+# The wire protocol of README.md: its standalone client, every field of every message, dtypes
+# =============================================================================================
+
+README = os.path.join(HERE, "README.md")
+
+
+# --- The README's standalone client, extracted and run against a real server to its end -----
+
+def readme_code_after(heading_words: str, path: str = README) -> str:
+    """The first ```python block after the first heading of `path` that contains heading_words."""
+    with open(path) as file:
+        text = file.read()
+    heading = re.search(rf"^#+ .*{re.escape(heading_words)}.*$", text, re.M | re.I)
+    assert heading, f"{path} has no heading containing {heading_words!r}"
+    block = re.compile(r"^```python\n(.*?)^```", re.M | re.S).search(text, heading.end())
+    assert block, f"{path} has no python code block after {heading.group(0)!r}"
+    return block.group(1)
+
+
+def private_memory_mb(pid) -> float:
+    """USS: the memory only this process holds (Private_Clean + Private_Dirty of smaps_rollup)."""
+    with open(f"/proc/{pid}/smaps_rollup") as file:
+        fields = dict(line.split()[:2] for line in file if line.split()[-1:] == ["kB"])
+    return (int(fields["Private_Clean:"]) + int(fields["Private_Dirty:"])) / 1024
+
+
+@pytest.fixture(scope="module")
+def standalone_run(tmp_path_factory):
+    """The README's standalone client, as a file, against `dummy-policy default dummy default`
+    for 2,000 frames (4 environments, episodes of up to 100 steps): it runs until the server
+    ends the run. Its memory is sampled every 20 ms while it runs."""
+    tmp_path = tmp_path_factory.mktemp("standalone")
+    script = tmp_path / "client.py"
+    script.write_text(readme_code_after("standalone client"))
+    run_dir = tmp_path / "run"
+    with Background(tmp_path, "server", ["plugrl_min.py", "dummy-policy", "default", "dummy",
+                                         "default", "--port", "0", "--algo.global-steps", "2000",
+                                         "--run-dir", str(run_dir)]) as server:
+        client = subprocess.Popen([sys.executable, str(script), str(server.port()), "1000000"],
+                                  cwd=tmp_path, env=subprocess_env(), stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        samples, deadline = [], time.monotonic() + 60
+        while client.poll() is None and time.monotonic() < deadline:
+            try:
+                samples.append(private_memory_mb(client.pid))
+            except (FileNotFoundError, ProcessLookupError, KeyError):  # it is exiting
+                pass
+            time.sleep(0.02)
+        if client.poll() is None:
+            client.kill()
+        out, err = client.communicate(timeout=10)
+        try:
+            server_status = server.wait(30)
+        except subprocess.TimeoutExpired:  # the client left early: the run never ended
+            server_status = None
+    metrics = read_metrics(run_dir, None) if (run_dir / "metrics.jsonl").exists() else []
+    return {"status": client.returncode, "stdout": out, "stderr": err, "samples": samples,
+            "server_status": server_status, "metrics": metrics}
+
+
+def test_the_standalone_client_runs_until_the_server_ends_the_run_and_exits_0(standalone_run):
+    assert (standalone_run["status"], standalone_run["server_status"]) == (0, 0), standalone_run
+    assert re.fullmatch(r"\d+ episodes, mean return -?\d+\.\d\d\n", standalone_run["stdout"])
+
+
+def test_the_server_records_the_standalone_clients_episodes(standalone_run):
+    episodes = [line["rollout/episodes"] for line in standalone_run["metrics"]]
+    assert any(count > 0 for count in episodes), standalone_run["metrics"]
+
+
+def test_the_standalone_client_uses_under_100_mb_of_private_memory(standalone_run):
+    samples = standalone_run["samples"]
+    assert standalone_run["status"] == 0, "the client failed: its memory says nothing"
+    assert len(samples) >= 5, "too few samples: the client ended too soon to be measured"
+    assert 5 < max(samples) < 100, f"USS {max(samples):.0f} MB"
+
+
+# --- Every field of every client message: wrong dtype, wrong shape, missing ---------------------
+
+MISSING = object()  # a field left out of the message
+N = 2  # environments in every message below
+
+# (message, field path, bad value or MISSING, the field the error names, what it says of it)
+BAD_FIELDS = [
+    *[("infer", "env_indices", bad, "infer.env_indices", "must be int64 [n]")
+      for bad in (np.arange(N, dtype=np.int32), np.arange(N).reshape(N, 1), MISSING)],
+    *[("infer", "obs.state", bad, "infer.obs.state", "must be float32 [2, 3]")
+      for bad in (np.zeros((N, 3)), np.zeros((N, 4), np.float32))],
+    ("infer", "obs.state", MISSING, "infer.obs", "must have the keys ['state'] of obs_spec"),
+    *[("feedback", "env_indices", bad, "feedback.env_indices", "must be int64 [n]")
+      for bad in (np.arange(N, dtype=np.uint64), np.arange(N).reshape(1, N), MISSING)],
+    *[("feedback", "obs.state", bad, "feedback.obs.state", "must be float32 [2, 3]")
+      for bad in (np.zeros((N, 3), np.float16), np.zeros((N, 1, 3), np.float32))],
+    ("feedback", "obs.state", MISSING, "feedback.obs", "must have the keys ['state'] of obs_spec"),
+    *[("feedback", "reward", bad, "feedback.reward",
+       "must be float32 or float64 [m] or [m, k] with m = 2")
+      for bad in (np.zeros(N, np.int64), np.zeros((N, 1, 1), np.float32), MISSING)],
+    *[("feedback", flag, bad, f"feedback.{flag}", "must be bool [m] with m = 2")
+      for flag in ("terminated", "truncated")
+      for bad in (np.zeros(N, np.uint8), np.zeros((N, 1), bool), MISSING)],
+    # info may be left out (see below); it may hold any arrays, each [m, ...]
+    ("feedback", "info", np.zeros(N, np.float32), "feedback.info",
+     "must be a dict of arrays [m, ...], or left out"),
+    ("feedback", "info.steps", np.zeros(N + 1, np.int64), "feedback.info.steps",
+     "must be an array [m, ...] with m = 2"),
+    ("feedback", "info.steps", [1, 2], "feedback.info.steps",
+     "must be an array [m, ...] with m = 2"),
+    # info.episode may be left out; when it is there, r, l, s and mask must all be
+    ("feedback", "info.episode", np.zeros(N, bool), "feedback.info.episode",
+     "must be a dict of r, l, s and mask"),
+    *[("feedback", f"info.episode.{key}", bad, f"feedback.info.episode.{key}",
+       f"must be {kind} [m] with m = 2")
+      for key, kind, right, wrong in (("r", "float", np.float32, np.int64),
+                                      ("l", "int", np.int64, np.float32),
+                                      ("s", "bool", bool, np.int64),
+                                      ("mask", "bool", bool, np.float32))
+      for bad in (np.zeros(N, wrong), np.zeros((N, 1), right), MISSING)],
+]
+
+
+def good_message(kind: str) -> dict:
+    """A valid infer, or a valid feedback in which both environments end an episode."""
+    ids = np.arange(N, dtype=np.int64)
+    if kind == "infer":
+        return {"message_type": "infer", "env_indices": ids, "obs": obs_of([1, 2])}
+    done = np.ones(N, bool)
+    return {"message_type": "feedback", "env_indices": ids, "obs": obs_of([1, 2]),
+            "reward": np.zeros(N, np.float32), "terminated": done, "truncated": ~done,
+            "info": {"episode": {"r": np.zeros(N, np.float32), "l": np.ones(N, np.int64),
+                                 "s": done, "mask": done}}}
+
+
+def with_field(message: dict, path: str, value) -> dict:
+    """A copy of message with the field at a dotted path set to value (or removed: MISSING)."""
+    message = dict(message)
+    *parents, last = path.split(".")
+    node = message
+    for key in parents:
+        node[key] = dict(node[key])
+        node = node[key]
+    if value is MISSING:
+        del node[last]
+    else:
+        node[last] = value
+    return message
+
+
+async def refused(port, message) -> tuple:
+    """Send message on a fresh connection (a feedback after an infer of its environments):
+    the server's reply, the close code and its reason."""
+    client = await Client.connect(port)
+    if message["message_type"] == "feedback":
+        await client.infer(list(range(N)), [1, 2])
+    await client.ws.send(pack_message(message))
+    reply = await client.receive()
+    code, reason = await client.closed()
+    return reply, code, reason
+
+
+def case_id(case):
+    kind, path, bad, _, _ = case
+    what = "missing" if bad is MISSING else (
+        f"{bad.dtype.name}{list(bad.shape)}" if isinstance(bad, np.ndarray) else type(bad).__name__)
+    return f"{kind}.{path}={what}"
+
+
+@pytest.mark.parametrize("case", BAD_FIELDS, ids=[case_id(case) for case in BAD_FIELDS])
+def test_a_wrong_or_missing_field_gets_an_error_naming_the_field_and_what_it_must_be(tmp_path,
+                                                                                    case):
+    kind, path, bad, field, expected = case
+    message = with_field(good_message(kind), path, bad)
+    status, (reply, code, reason) = run_server(Probe(), tmp_path,
+                                               lambda port, server: refused(port, message))
+    assert reply["message_type"] == "error", reply
+    assert f"{field} {expected}; got" in reply["message"], reply["message"]
+    assert (code, reason) == (1008, reply["message"].encode()[:120].decode(errors="ignore"))
+    assert status == 0
+
+
+def test_info_and_info_episode_may_be_left_out(tmp_path):
+    async def script(port, server):
+        client = await Client.connect(port)
+        feedback = good_message("feedback")
+        for message in (with_field(feedback, "info", MISSING), with_field(feedback, "info", {}),
+                        with_field(feedback, "info.episode", MISSING)):
+            await client.infer(list(range(N)), [1, 2])
+            await client.ws.send(pack_message(message))
+        await client.infer(list(range(N)), [1, 2])  # answered: nothing was refused
+        return [frame["info"] for frame in server.algo.frames]
+
+    status, infos = run_server(Probe(), tmp_path, script)
+    assert infos == [{}] * (3 * N) and status == 0
+
+
+def test_feedback_may_answer_a_subset_and_a_reward_per_physical_step_reaches_the_algorithm(
+        tmp_path):
+    async def script(port, server):
+        client = await Client.connect(port)
+        await client.infer([7, 1000], [1, 2])  # the client's own names for its environments
+        for env, tag in ((1000, 2), (7, 1)):  # one feedback message per environment
+            message = with_field(good_message("feedback"), "info", MISSING)
+            message.update(env_indices=np.array([env], np.int64), obs=obs_of([tag]),
+                           reward=np.full((1, 3), tag, np.float64),  # [m, k]: k = 3 steps
+                           terminated=np.zeros(1, bool), truncated=np.zeros(1, bool))
+            await client.ws.send(pack_message(message))
+        await client.infer([7, 1000], [1, 2])
+        return [(float(frame["runtime_state"]["tag"]), frame["reward"])
+                for frame in server.algo.frames]
+
+    status, frames = run_server(Probe(), tmp_path, script)
+    assert [tag for tag, _ in frames] == [2.0, 1.0] and status == 0
+    for tag, reward in frames:
+        np.testing.assert_array_equal(reward, [tag] * 3)
+
+
+# =============================================================================================
+# dtype spellings: numpy's dtype.str ("<f4") and its name ("float32"); big-endian is refused
+# =============================================================================================
+
+def hand_packed(message: dict, spell, swap=lambda array: array) -> bytes:
+    """A frame written by hand, as a client in another language would: each array's dtype
+    spelled spell(dtype), its bytes those of swap(array)."""
+    arrays = []
+
+    def encode(value):
+        if isinstance(value, np.ndarray):
+            arrays.append(swap(value))
+            return {"__array__": len(arrays) - 1}
+        return {k: encode(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+    header = json.dumps({"message": encode(message),
+                         "arrays": [[spell(a.dtype), list(a.shape)] for a in arrays]}).encode()
+    return b"".join([len(header).to_bytes(4, "little"), header, *(a.tobytes() for a in arrays)])
+
+
+def test_a_feedback_with_dtype_names_gives_the_algorithm_the_same_frame_as_with_dtype_str(
+        tmp_path):
+    feedback = good_message("feedback")
+    feedback["reward"] = np.array([0.5, -2.25], np.float32)
+    frames = [hand_packed(feedback, lambda dtype: dtype.name),  # "float32", "int64", "bool"
+              hand_packed(feedback, lambda dtype: dtype.str)]  # "<f4", "<i8", "|b1"
+    assert b'"float32"' in frames[0] and b'"<f4"' in frames[1]
+
+    async def script(port, server):
+        for frame in frames:  # one client each, one environment tagged 1, one tagged 2
+            client = await Client.connect(port)
+            await client.infer(list(range(N)), [1, 2])
+            await client.ws.send(frame)
+            await client.infer(list(range(N)), [1, 2])  # answered: the feedback was taken
+        return server.algo.frames
+
+    status, stored = run_server(Probe(), tmp_path, script)
+    assert len(stored) == 2 * N and status == 0
+    for by_name, by_str in zip(stored[:N], stored[N:]):
+        for key in ("reward", "next_terminated", "next_truncated"):
+            assert by_name[key] == by_str[key]
+        np.testing.assert_array_equal(by_name["next_obs"]["state"], by_str["next_obs"]["state"])
+        episode = by_str["info"]["episode"]  # one row of each array: Python numbers
+        assert {key: (type(value), value) for key, value in by_name["info"]["episode"].items()} \
+            == {key: (type(value), value) for key, value in episode.items()}
+    assert [frame["reward"] for frame in stored[:N]] == [0.5, -2.25]
+
+
+def test_a_big_endian_array_is_refused_with_an_error_saying_little_endian(tmp_path):
+    def big_endian(array):
+        return array.astype(array.dtype.newbyteorder(">")) if array.dtype.kind == "f" else array
+
+    frame = hand_packed(good_message("infer"), lambda dtype: dtype.str, big_endian)
+    assert b'">f4"' in frame
+
+    async def script(port, server):
+        client = await Client.connect(port)
+        await client.ws.send(frame)
+        return await client.receive(), await client.closed()
+
+    status, (reply, (code, _)) = run_server(Probe(), tmp_path, script)
+    assert reply["message_type"] == "error" and "little-endian" in reply["message"], reply
+    assert "'>f4'" in reply["message"] and "'<f4'" in reply["message"]
+    assert code == 1008 and status == 0
+
+
+# =============================================================================================
 # sac_example.py: an off-policy learner over the wire
 # =============================================================================================
 
