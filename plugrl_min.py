@@ -694,73 +694,69 @@ class DummyAlgorithm(BaseAlgorithm):
 @register_algo_config("pg")
 @dataclasses.dataclass
 class PGConfig(BaseAlgoConfig):
-    """pg's hyperparameters; every field is a flag (--algo.frames-per-learn 4096)."""
+    """pg's hyperparameters; every field is a flag (--algo.frames-per-learn 2048)."""
 
-    global_steps: int | None = 300_000  # frames stored, then the run ends
-    frames_per_learn: int = 2048  # the batch: a learn runs each time it is full
+    global_steps: int | None = 200_000  # frames stored, then the run ends
+    frames_per_learn: int = 1024  # the batch: a learn runs each time it is full
     gamma: float = 0.99  # discount per decision
     gae_lambda: float = 0.95  # GAE: 0 is the one-step TD error, 1 the Monte Carlo return
-    lr: float = 1e-3
-    value_epochs: int = 4  # value steps per learn; the policy takes one (see learn_impl)
+    policy_lr: float = 1e-3
+    value_lr: float = 1e-3
+    value_epochs: int = 10  # value steps per learn on the whole batch; the policy takes one
+    ent_coef: float = 0.03  # an entropy bonus: keeps the policy from narrowing too soon
+    max_grad_norm: float = 0.5
     value_hidden_size: int = 64
-    save_every: int = 20  # learns between checkpoints
+    save_every: int = 50  # learns between checkpoints
 
 
 @register_algo("pg")
 class PG(BaseAlgorithm):
-    """On-policy policy gradient: a learned value baseline and GAE(lambda) advantages.
+    """On-policy policy gradient with a learned value baseline and GAE(lambda) advantages.
 
     It learns from fixed-size batches of frames, not whole episodes: a learn runs every
-    frames_per_learn stored frames, so long episodes weigh as much as short ones, and a client
-    that leaves mid-episode never holds a learn up.
+    frames_per_learn stored frames, so long episodes weigh no more than short ones and a client
+    that leaves never holds a learn up. Counters: global_step (frames stored), stored (rows of
+    this batch), learns, saved_at.
     """
 
-    on_policy = True  # the gradient below is only unbiased for the current policy's actions
+    on_policy = True  # the gradient is only unbiased for actions of the current policy
 
     def __init__(self, config: PGConfig, policy: BaseTorchPolicy):
         super().__init__(config=config, policy=policy)
-        n = config.frames_per_learn
-        obs_size = math.prod(policy.obs_spec["state"][0])
-        sample = self.example_train_state(1)["sample"][0]  # one frame's sample: its shape, dtype
-        self.batch = {"obs": np.zeros((n, obs_size), np.float32),
-                      "next_obs": np.zeros((n, obs_size), np.float32),
-                      "sample": np.zeros((n, *sample.shape), sample.dtype),
-                      "reward": np.zeros(n, np.float32),
-                      "next_terminated": np.zeros(n, bool),
-                      "successor": np.full(n, -1)}  # row of the environment's next stored frame
-        self.stored = 0  # rows of the batch filled
-        self.learns = 0
-        self.saved_at = 0
+        self.stored, self.learns, self.saved_at = 0, 0, 0
+        n, obs_shape = config.frames_per_learn, policy.obs_spec["state"][0]
+        sample = self.example_train_state(n)["sample"]  # [n, ...]: the batch's sample column
+        # One row per frame. successor: the row of the same environment's next stored frame.
+        self.batch = {"obs": np.zeros((n, *obs_shape), np.float32), "sample": np.zeros_like(sample),
+                      "next_obs": np.zeros((n, *obs_shape), np.float32),
+                      "reward": np.zeros(n, np.float32), "terminated": np.zeros(n, np.float32),
+                      "successor": np.full(n, -1)}
         hidden = config.value_hidden_size
-        self.value = nn.Sequential(nn.Linear(obs_size, hidden), nn.Tanh(),
+        self.value = nn.Sequential(nn.Linear(math.prod(obs_shape), hidden), nn.Tanh(),
                                    nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1))
 
     def init_optimizers(self) -> None:
-        """One Adam for the policy and the value network."""
-        parameters = [*self.policy.parameters(), *self.value.parameters()]
-        self.optimizer = torch.optim.Adam(parameters, lr=self.config.lr)
+        self.policy_optimizer = torch.optim.Adam(self.policy.parameters(), self.config.policy_lr)
+        self.value_optimizer = torch.optim.Adam(self.value.parameters(), self.config.value_lr)
 
     def derive_train_state(self, runtime_state: dict) -> dict:
-        """The sample the action was made from: learn_impl asks the policy its log-probability."""
+        """The sample the action came from: learn asks the policy for its log-probability."""
         return {"sample": runtime_state["sample"]}
 
     def feedback(self, *, obs, runtime_state, train_state=None, terminated, truncated, next_obs,
                  reward, info, next_terminated, next_truncated, prev_node):
-        """Store the frame in the next row; link it to its environment's previous frame."""
+        """Store the frame in the next row, and link it after its environment's previous one."""
         self.record_finished_episode(info, next_terminated, next_truncated)
-        row = self.stored
-        self.batch["obs"][row] = obs["state"]
-        self.batch["next_obs"][row] = next_obs["state"]
-        self.batch["sample"][row] = train_state["sample"]
-        self.batch["reward"][row] = np.sum(reward)  # a stacked reward counts as its sum
-        self.batch["next_terminated"][row] = next_terminated
-        self.batch["successor"][row] = -1
-        # prev_node is the node returned for this environment's previous stored frame. Link the
-        # two, unless this frame begins an episode (the previous frame was its last) or the node
-        # is from an earlier batch (only possible if a student sets on_policy = False).
-        previous, batch = prev_node
-        if previous >= 0 and batch == str(self.learns) and not (terminated or truncated):
-            self.batch["successor"][previous] = row
+        row, batch = self.stored, self.batch
+        batch["obs"][row], batch["next_obs"][row] = obs["state"], next_obs["state"]
+        batch["sample"][row], batch["reward"][row] = train_state["sample"], np.sum(reward)
+        batch["terminated"][row], batch["successor"][row] = next_terminated, -1
+        # prev_node is the node this returned for the environment's previous stored frame. No
+        # link if this frame begins an episode (terminated/truncated are the previous frame's
+        # flags), or if the node names an earlier batch (only if on_policy were False).
+        previous, batch_id = prev_node
+        if previous >= 0 and batch_id == str(self.learns) and not (terminated or truncated):
+            batch["successor"][previous] = row
         self.stored += 1
         self.global_step += 1
         return (row, str(self.learns)), self.global_step, {}
@@ -769,64 +765,75 @@ class PG(BaseAlgorithm):
         return self.stored >= self.config.frames_per_learn
 
     def learn_impl(self) -> tuple[int, dict]:
-        """Advantages from the batch, one policy step, value_epochs value steps; a new batch."""
-        cfg = self.config
-        batch = {key: torch.from_numpy(array[:self.stored]) for key, array in self.batch.items()}
-        with torch.no_grad():
-            value = self.value(batch["obs"]).squeeze(-1)
-            next_value = self.value(batch["next_obs"]).squeeze(-1)
-        # One-step TD errors. Termination stops bootstrapping. Truncation bootstraps, and so does
-        # a segment this learn cuts short: next_obs is the last observation its frame saw.
-        not_done = 1.0 - batch["next_terminated"].float()
-        advantage = (batch["reward"] + cfg.gamma * not_done * next_value - value).numpy()
-        # GAE runs backwards along each environment's chain of frames. Rows are in arrival
-        # order, so a frame's successor always sits in a later row and is finished first.
-        successor = self.batch["successor"]
-        for row in reversed(range(self.stored)):
-            if successor[row] >= 0:
-                advantage[row] += cfg.gamma * cfg.gae_lambda * advantage[successor[row]]
-        advantage = torch.from_numpy(advantage)
-        returns = advantage + value  # the value network's regression target
+        """Advantages, one policy step, value_epochs value steps; then a new batch."""
+        cfg, n = self.config, self.stored
+        obs, sample, next_obs, reward, terminated = (
+            torch.from_numpy(self.batch[key][:n])
+            for key in ("obs", "sample", "next_obs", "reward", "terminated"))
+        advantage, value = self.advantages(obs, next_obs, reward, terminated)
+        returns = advantage + value  # what the value network regresses to
         advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-8)
-        for epoch in range(cfg.value_epochs):
-            value_loss = (self.value(batch["obs"]).squeeze(-1) - returns).pow(2).mean()
-            loss = value_loss
-            if epoch == 0:  # later epochs would follow a policy that no longer drew these samples
-                log_prob = self.policy.distribution(batch["obs"]).log_prob(batch["sample"])
-                policy_loss = -(advantage * log_prob).mean()
-                loss = loss + policy_loss
-            self.optimizer.zero_grad()
-            loss.backward()
-            self.optimizer.step()
+        # One policy step: a second would follow a policy that did not draw these samples.
+        distribution = self.policy.distribution(obs)
+        entropy = distribution.entropy().mean()
+        policy_loss = -(distribution.log_prob(sample) * advantage).mean() - cfg.ent_coef * entropy
+        self.policy_optimizer.zero_grad()
+        policy_loss.backward()
+        nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
+        self.policy_optimizer.step()
+        for _ in range(cfg.value_epochs):
+            value_loss = 0.5 * (self.value(obs).squeeze(-1) - returns).pow(2).mean()
+            self.value_optimizer.zero_grad()
+            value_loss.backward()
+            nn.utils.clip_grad_norm_(self.value.parameters(), cfg.max_grad_norm)
+            self.value_optimizer.step()
         self.stored = 0
         self.learns += 1  # also names the new batch: nodes of the old one link nothing
         return self.global_step, {"train/policy_loss": policy_loss.item(),
-                                  "train/value_loss": value_loss.item()}
+                                  "train/value_loss": value_loss.item(),
+                                  "train/entropy": entropy.item(), "train/learns": self.learns}
+
+    @torch.no_grad()
+    def advantages(self, obs, next_obs, reward, terminated) -> tuple[torch.Tensor, torch.Tensor]:
+        """GAE(lambda) of the stored frames [n], backwards along each chain; and V(obs) [n]."""
+        cfg = self.config
+        value = self.value(obs).squeeze(-1)
+        next_value = self.value(next_obs).squeeze(-1)
+        # Termination stops bootstrapping. After truncation, or at a frame this batch cuts
+        # short, the episode goes on, and V(next_obs) stands for the rest of it.
+        delta = (reward + cfg.gamma * (1 - terminated) * next_value - value).numpy()
+        advantage = np.zeros(len(delta), np.float32)
+        successor = self.batch["successor"]
+        for row in reversed(range(len(delta))):  # a successor sits in a later row: done first
+            later = advantage[successor[row]] if successor[row] >= 0 else 0.0
+            advantage[row] = delta[row] + cfg.gamma * cfg.gae_lambda * later
+        return torch.from_numpy(advantage), value
 
     def should_save(self) -> bool:
         return self.learns - self.saved_at >= self.config.save_every
 
     def create_checkpoint(self) -> Checkpoint:
-        """Policy, value network, optimizer, counters, and the frames of the unfinished batch."""
+        """Policy, value network, optimizers, counters, and the frames of the unfinished batch."""
         self.saved_at = self.learns
         frames = {key: torch.from_numpy(array[:self.stored].copy())
                   for key, array in self.batch.items()}
-        meta = {"learns": self.learns, "saved_at": self.saved_at, "stored": self.stored,
+        meta = {"stored": self.stored, "learns": self.learns, "saved_at": self.saved_at,
                 "value": self.value.state_dict(), "frames": frames}
+        optimizer = {"policy": self.policy_optimizer.state_dict(),
+                     "value": self.value_optimizer.state_dict()}
         return Checkpoint(step=self.global_step, model=self.policy.state_dict(),
-                          optimizer=self.optimizer.state_dict(), meta=meta)
+                          optimizer=optimizer, meta=meta)
 
     def load_checkpoint(self, checkpoint: Checkpoint) -> None:
-        """Restore everything create_checkpoint saved, so the learn cadence continues exactly."""
+        """Restore everything create_checkpoint saved: the learn cadence continues exactly."""
         super().load_checkpoint(checkpoint)
         meta = checkpoint.meta
-        self.learns = meta["learns"]
-        self.saved_at = meta["saved_at"]
-        self.stored = meta["stored"]
-        self.value.load_state_dict(meta["value"])
-        self.optimizer.load_state_dict(checkpoint.optimizer)
+        self.stored, self.learns, self.saved_at = meta["stored"], meta["learns"], meta["saved_at"]
         for key, frames in meta["frames"].items():
             self.batch[key][:self.stored] = frames.numpy()
+        self.value.load_state_dict(meta["value"])
+        self.policy_optimizer.load_state_dict(checkpoint.optimizer["policy"])
+        self.value_optimizer.load_state_dict(checkpoint.optimizer["value"])
 
 
 # ===== 6. Server: batched infer, the routing rule, learn, save and stop, over WebSocket =====

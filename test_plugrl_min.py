@@ -3501,6 +3501,165 @@ def test_binding_a_non_loopback_address_with_plugrl_token_prints_no_warning(tmp_
     assert "warning" not in err
 
 # =============================================================================================
+# pg: the on-policy learner (fixed-size batches, prev_node chains, GAE with a value baseline)
+# =============================================================================================
+
+def pg_algo(policy="dummy-policy", **overrides):
+    config = dataclasses.replace(plugrl_min.PGConfig(), **overrides)
+    algo = make_algo("pg", make_policy(policy), config)
+    algo.init_optimizers()
+    return algo
+
+
+def feed_pg(algo, state, *, reward=0.0, next_state=None, terminated=False, truncated=False,
+            next_terminated=False, next_truncated=False, prev_node=(-1, "")):
+    """One frame into pg, as the server would hand it over; returns the node pg gives back."""
+    next_state = state if next_state is None else next_state
+    node, _, _ = algo.feedback(
+        obs={"state": np.array(state, np.float32)}, runtime_state=None,
+        train_state={"sample": np.zeros(1, np.float32)}, terminated=terminated, truncated=truncated,
+        next_obs={"state": np.array(next_state, np.float32)}, reward=reward, info={},
+        next_terminated=next_terminated, next_truncated=next_truncated, prev_node=prev_node)
+    return node
+
+
+class FirstComponent(nn.Module):
+    """A stand-in value network: V(s) = s[0], so advantages can be worked out by hand."""
+
+    def forward(self, obs):
+        return obs[:, :1]
+
+
+def test_pg_bootstraps_a_truncated_segment_with_the_value_of_its_last_observation_not_a_terminated_one():
+    algo = pg_algo(gamma=0.5, gae_lambda=1.0)
+    algo.value = FirstComponent()
+    node = feed_pg(algo, [1, 0, 0], reward=1.0, next_state=[2, 0, 0])  # env A: frame 0 ...
+    feed_pg(algo, [2, 0, 0], reward=1.0, next_state=[4, 0, 0], next_truncated=True, prev_node=node)
+    feed_pg(algo, [3, 0, 0], reward=1.0, next_state=[8, 0, 0], next_terminated=True)  # env B
+    assert algo.batch["successor"][:3].tolist() == [1, -1, -1]
+    tensors = [torch.from_numpy(algo.batch[key][:3]) for key in ("obs", "next_obs", "reward", "terminated")]
+    advantage, value = algo.advantages(*tensors)
+    # truncated: 1 + 0.5 * V(4) - V(2) = 1; its predecessor: 1 + 0.5 * V(2) - V(1) + 0.5 * 1 = 1.5
+    # terminated: 1 - V(3) = -2 (no bootstrap from V(8))
+    assert advantage.tolist() == [1.5, 1.0, -2.0] and value.tolist() == [1.0, 2.0, 3.0]
+
+
+def test_pg_links_an_environments_frames_but_not_across_an_episode_or_a_batch():
+    algo = pg_algo(frames_per_learn=4)
+    first = feed_pg(algo, [0, 0, 0])
+    second = feed_pg(algo, [0, 0, 0], prev_node=first)  # its episode ends here
+    feed_pg(algo, [0, 0, 0], terminated=True, prev_node=second)  # the next episode's first frame
+    assert algo.batch["successor"][:3].tolist() == [1, -1, -1]
+    feed_pg(algo, [0, 0, 0])
+    algo.learn()
+    fresh = feed_pg(algo, [0, 0, 0], prev_node=second)  # a node from the batch before the learn
+    assert fresh == (0, "1") and algo.batch["successor"][1] == -1
+
+
+def test_pg_chains_follow_the_frames_a_client_sent_over_the_wire(tmp_path):
+    algo = pg_algo(frames_per_learn=8, global_steps=None)
+
+    async def script(port, server):
+        client = await Client.connect(port)
+        # Two environments; env 1's episode ends at its second frame. Then a learn (8 frames),
+        # after which every environment starts over (its first frame's prev_node is empty).
+        await client.step([0, 1], [0.1, 0.2])
+        await client.step([0, 1], [0.1, 0.2], terminated=[False, True])
+        await client.step([0, 1], [0.1, 0.2])
+        await client.step([0, 1], [0.1, 0.2])
+        await eventually(lambda: algo.learns == 1)
+        links_before = algo.batch["successor"][:8].tolist()
+        await client.step([0, 1], [0.1, 0.2])
+        await client.step([0, 1], [0.1, 0.2])
+        await eventually(lambda: algo.stored == 4)
+        await client.close()
+        return links_before
+
+    _, links_before = run_server(algo, tmp_path, script)
+    # rows in arrival order: (env 0, env 1) per step. env 0: 0 -> 2 -> 4 -> 6; env 1: 1 -> 3, then
+    # its episode ends; 5 -> 7.
+    assert links_before == [2, 3, 4, -1, 6, 7, -1, -1]
+    assert algo.batch["successor"][:4].tolist() == [2, 3, -1, -1]
+
+
+def pg_run(tmp_path, env_id, steps, seed, *policy_words):
+    """`python plugrl_min.py ... pg default --local-env-clients 1 --local-num-envs 16`, shortened."""
+    run_dir = tmp_path / "run"
+    result = python("plugrl_min.py", *(policy_words or ("dummy-policy", "default")), "pg", "default",
+                    "--local-env-clients", "1", "--local-num-envs", "16", "--local-env", env_id,
+                    "--algo.global-steps", str(steps), "--seed", str(seed), "--port", "0",
+                    "--run-dir", str(run_dir), timeout=180)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in read_metrics(run_dir) if line["rollout/episodes"]]
+    return [line["rollout/reward"] for line in lines]
+
+
+def test_pg_learns_dummy_v1_over_the_wire(tmp_path):
+    rewards = pg_run(tmp_path, "dummy-v1", 80_000, 2)
+    assert np.mean(rewards[:3]) < -20  # the untrained policy scores about -31
+    assert np.mean(rewards[-5:]) > -15  # a random policy cannot reach this; a good one is near -2
+
+
+def test_pg_learns_cartpole_v1_over_the_wire(tmp_path):
+    rewards = pg_run(tmp_path, "cartpole-v1", 60_000, 2, "categorical-policy", "cartpole")
+    assert np.mean(rewards[:3]) < 30  # random actions score about 22
+    assert np.mean(rewards[-5:]) > 50
+
+
+PG_FLAGS = ["--algo.frames-per-learn", "100", "--algo.save-every", "1"]
+
+
+def test_pg_resume_continues_the_learn_cadence_exactly(tmp_path):
+    run_dir = tmp_path / "run"
+    command = ["plugrl_min.py", "dummy-policy", "default", "pg", "default", *PG_FLAGS, "--port", "0",
+               "--run-dir", str(run_dir)]
+    with Background(tmp_path, "first", command) as server:
+        asyncio.run(feed(server.port(), 250, then=lambda: server.proc.send_signal(signal.SIGTERM)))
+        assert server.wait(30) == 0
+    assert checkpoint_steps(run_dir) == [100, 200, 250]  # the last one mid-batch: 50 frames stored
+    with Background(tmp_path, "resumed", [*command, "--resume", "--algo.global-steps", "500"]) as server:
+        fed, closed = asyncio.run(feed(server.port()))
+        assert server.wait(30) == 0 and closed == (1000, "run finished")
+    assert fed == 250
+    assert [line["step"] for line in read_metrics(run_dir)] == [100, 200, 300, 400, 500]
+    assert [line["train/learns"] for line in read_metrics(run_dir)] == [1, 2, 3, 4, 5]
+
+
+def test_a_client_killed_mid_segment_never_stalls_pg(tmp_path):
+    run_dir = tmp_path / "run"
+    with Background(tmp_path, "server", ["plugrl_min.py", "dummy-policy", "default", "pg", "default",
+                                         *PG_FLAGS, "--algo.global-steps", "1000", "--port", "0",
+                                         "--run-dir", str(run_dir)]) as server:
+        port = server.port()
+        with Background(tmp_path, "doomed", env_client_args(port, "--num-episodes", "1000000", "--num-envs",
+                                                               "3")) as doomed:
+            wait_for(lambda: metrics_lines(run_dir) >= 2, 60, "two learns with both clients")
+            with Background(tmp_path, "other", env_client_args(port, "--num-episodes", "1000000")) as other:
+                wait_for(lambda: metrics_lines(run_dir) >= 3, 60, "a learn with both clients")
+                doomed.proc.kill()  # mid-segment: its environments owe feedback, their chains are open
+                status = server.wait(120)
+                other_status = other.wait(30)
+    assert status == 0 and other_status == 0, server.stderr()
+    assert read_metrics(run_dir, event="end")[0]["step"] == 1000
+
+
+def test_pg_discards_stale_frames_after_learns_and_sac_discards_none(tmp_path):
+    def run(algo, *flags):
+        run_dir = tmp_path / algo
+        result = python("plugrl_min.py", "dummy-policy", "default", algo, "default", *flags,
+                        "--local-env-clients", "3", "--local-num-envs", "2", "--port", "0",
+                        "--run-dir", str(run_dir), timeout=120)
+        assert result.returncode == 0, result.stderr
+        lines = read_metrics(run_dir, event=None)
+        return sum(line["server/discarded"] for line in lines), sum(line["server/fed"] for line in lines)
+
+    discarded, fed = run("pg", "--algo.frames-per-learn", "64", "--algo.global-steps", "1000")
+    assert discarded > 0 and fed >= 1000  # a message of 2 frames may carry it past 1000
+    discarded, fed = run("sac", "--algo.learning-starts", "100", "--algo.global-steps", "300")
+    assert discarded == 0 and fed >= 300
+
+
+# =============================================================================================
 # Discrete actions: categorical-policy, cartpole-v1, gym:ID with a Discrete action space
 # =============================================================================================
 
