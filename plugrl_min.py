@@ -51,128 +51,85 @@ PROTOCOL_VERSION = 1
 
 # ===== 1. Wire format: one binary WebSocket frame per message, a JSON header, raw array bytes =====
 # PlugRL page: the transport under infer() and feedback(). Nothing is ever unpickled.
-
-# Frame layout: [4-byte little-endian header length][JSON header][array 0 bytes][array 1 bytes]...
-# The header is {"message": <the message, each array replaced by {"__array__": i}>,
-#                "arrays": [[dtype, shape], ...]}.
-# The arrays' bytes follow the header in that order: C order, little-endian, no padding.
+# A frame: [header length: uint32, little-endian][JSON header][array 0 bytes][array 1 bytes]...
+# The header is {"message": the message with each array replaced by {"__array__": i},
+#                "arrays": [[dtype, shape], ...]}. Array bytes: C order, little-endian, no padding.
 _HEADER_LENGTH = struct.Struct("<I")
-_MAX_DEPTH = 64  # dicts and lists nested deeper are refused (a message needs a handful of levels)
-
-# The dtypes a frame may carry. A header spells one as numpy's dtype.str, "<f4" (what pack
-# writes; the byte order is in it), or by its name, "float32". Decoding looks up both in one dict.
+_MAX_DEPTH = 64  # a message needs a handful of levels; deeper is refused both ways
+# A header spells a dtype as numpy's dtype.str ("<f4", what pack writes) or by name ("float32").
 _DTYPE_NAMES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
                 "float16", "float32", "float64")
 _ALLOWED_DTYPES = {spelling: np.dtype(name)
                    for name in _DTYPE_NAMES for spelling in (np.dtype(name).str, name)}
 _SPELLINGS = ", ".join(f"{np.dtype(name).str} or {name}" for name in _DTYPE_NAMES)
-# Encoding goes the other way, dtype -> "<f4", in a dict keyed by the dtype itself:
-# array.dtype.str would build a new string for every array.
-_WIRE_DTYPES = {np.dtype(name): np.dtype(name).str for name in _DTYPE_NAMES}
+_WIRE_DTYPES = {np.dtype(name): np.dtype(name).str for name in _DTYPE_NAMES}  # plain: dtype.str
 
-# Made once: json.dumps(..., separators=...) would build a new encoder for every message.
-# check_circular=False: pack hands it a tree of dicts and lists just built, with no cycle to find.
+
+def _reject_constant(name):
+    raise ValueError(f"{name} is not JSON")  # Python's json reads NaN and Infinity by default
+
+
+# Made once; the plain forms, json.dumps and json.loads, build one per message.
 _HEADER_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False, check_circular=False)
+_HEADER_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
 
 
 class ProtocolError(ValueError):
     """A message that breaks the wire format or the protocol; `hint` tells the sender what to do."""
 
-    def __init__(self, message: str,
-                 hint: str = "check the client against the message table in README.md"):
+    def __init__(self, message, hint="check the client against the message table in README.md"):
         super().__init__(message)
         self.hint = hint
 
 
 def pack_message(message: dict) -> bytes:
-    """Encode a dict (of JSON values and numpy arrays, nested) into one binary frame.
-
-    Keys are strings; json writes int, float, bool and None keys as strings and refuses others.
-    """
+    """Encode a dict of JSON values and numpy arrays, nested, as one binary frame."""
     arrays, specs = [], []  # the arrays in frame order, and their (dtype, shape) for the header
 
     def encode(container, depth):
-        """A copy of a dict, list or tuple in which each array is replaced by {"__array__": i}."""
+        # A copy of a dict, list or tuple, with {"__array__": i} in place of each array.
         if depth > _MAX_DEPTH:
-            raise ProtocolError(f"the message nests over {_MAX_DEPTH} levels deep, or holds itself")
-        if isinstance(container, dict):
-            if "__array__" in container:
-                raise ProtocolError("the key '__array__' is reserved by the wire format")
-            copy, items = dict(container), container.items()
-        else:
-            copy, items = list(container), enumerate(container)
-        # Arrays and plain values are handled in this loop: one call per dict or list. The plain
-        # form, encode(value) for every value, makes 14 calls for a feedback message instead of 4.
-        for key, value in items:
+            raise ProtocolError(f"the message nests deeper than {_MAX_DEPTH} levels (or in itself)")
+        if isinstance(container, dict) and "__array__" in container:
+            raise ProtocolError("the key '__array__' is reserved by the wire format")
+        copy, items = ((dict(container), container.items()) if isinstance(container, dict)
+                       else (list(container), enumerate(container)))
+        for key, value in items:  # one call per container; the plain form calls once per value
             if isinstance(value, (np.ndarray, np.generic)):
                 array = np.asarray(value, order="C")  # unlike ascontiguousarray, keeps 0-d as 0-d
-                dtype = _WIRE_DTYPES.get(array.dtype)  # the plain form: array.dtype.str, checked
+                dtype = _WIRE_DTYPES.get(array.dtype)
                 if dtype is None:
                     raise ProtocolError(f"cannot send dtype {array.dtype}: only bool, int, uint "
                                         "and float arrays, little-endian")
                 copy[key] = {"__array__": len(arrays)}
                 arrays.append(array)
-                specs.append((dtype, array.shape))  # json writes both tuples as lists
+                specs.append((dtype, array.shape))
             elif isinstance(value, (dict, list, tuple)):
                 copy[key] = encode(value, depth + 1)
-        return copy  # anything else is json's to write, or to refuse
+        return copy  # any other value is json's to write, or to refuse
 
     body = {"message": encode(message, 1), "arrays": specs}
     try:
         header = _HEADER_ENCODER.encode(body).encode()
     except (TypeError, ValueError) as error:
         raise ProtocolError(f"cannot encode the message: {error}") from None
-    # One join writes the whole frame into a single buffer, reading each array's bytes in place
-    # (the plain form, array.tobytes(), would copy each array once more on the way).
+    # One join reads each array's buffer in place; the plain form, tobytes(), copies it first.
     return b"".join([_HEADER_LENGTH.pack(len(header)), header, *arrays])
 
 
-def _reject_constant(name):
-    raise ProtocolError(f"the header holds {name}, which JSON does not allow")
-
-
-# Made once: json.loads(..., parse_constant=...) would build a new decoder for every message.
-_HEADER_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
-
-
-def _dtype_error(i: int, dtype) -> ProtocolError:
-    """Say what is wrong with a header's dtype that is not allowed."""
-    if isinstance(dtype, str) and dtype[:1] == ">" and "<" + dtype[1:] in _ALLOWED_DTYPES:
-        return ProtocolError(f"array {i}: dtype {dtype!r} is big-endian, not an allowed dtype: "
-                             f"arrays travel little-endian, as {'<' + dtype[1:]!r}")
-    return ProtocolError(f"array {i}: dtype {dtype!r:.40} is not an allowed dtype; "
-                         f"the allowed ones are {_SPELLINGS}")
-
-
-def _check_references(container, count: int, depth: int) -> None:
-    """Check each {"__array__": i} in a dict or list of a header: i must be one of its arrays."""
-    if depth > _MAX_DEPTH:
-        raise ProtocolError(f"header nests deeper than {_MAX_DEPTH} levels")
-    for value in (container.values() if isinstance(container, dict) else container):
-        if isinstance(value, dict) and "__array__" in value:
-            index = value["__array__"]
-            if type(index) is not int or not 0 <= index < count or len(value) != 1:
-                raise ProtocolError(f"bad array reference {str(value)[:80]}")
-        elif isinstance(value, (dict, list)):
-            _check_references(value, count, depth + 1)
-
-
 def _check_header(header: bytes) -> tuple:
-    """Parse and check a header: its message (references in place) and each array's layout."""
     try:
         text = str(header, "utf-8")
-        # raw_decode reads one JSON value and says where it ended. The plain form, json.loads,
-        # also skips whitespace around the value (pack writes none), at twice the cost here.
-        body, end = _HEADER_DECODER.raw_decode(text)
-    except ProtocolError:  # NaN or Infinity: _reject_constant says so
-        raise
+        body, end = _HEADER_DECODER.raw_decode(text)  # plain: json.loads (also strips spaces)
+        if end != len(text):
+            raise ValueError(f"{len(text) - end} characters after its end")
     except (ValueError, RecursionError) as error:  # bad UTF-8 or JSON, or an int of 4300+ digits
         raise ProtocolError(f"header is not valid JSON: {error}") from None
-    if end != len(text):
-        raise ProtocolError(f"header is not valid JSON: {len(text) - end} characters after its end")
-    if not (isinstance(body, dict) and isinstance(body.get("message"), dict)
+    message = body.get("message") if isinstance(body, dict) else None
+    if not (isinstance(message, dict) and "__array__" not in message
             and isinstance(body.get("arrays"), list)):
-        raise ProtocolError("header must be an object with 'message' (object) and 'arrays' (list)")
+        raise ProtocolError("header must be an object with 'message' (an object, not an array "
+                            "reference) and 'arrays' (a list)")
     layout = []  # (dtype, shape, bytes) of each array
     for i, spec in enumerate(body["arrays"]):
         if not (isinstance(spec, list) and len(spec) == 2):
@@ -180,81 +137,66 @@ def _check_header(header: bytes) -> tuple:
         name, shape = spec
         dtype = _ALLOWED_DTYPES.get(name) if isinstance(name, str) else None
         if dtype is None:
-            raise _dtype_error(i, name)
-        # type(n) is int, not isinstance: true and false are not lengths.
-        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
-            raise ProtocolError(f"array {i}: shape {str(shape)[:80]} is not a list of "
-                                "non-negative integers")
-        if len(shape) > 32 or math.prod(filter(None, shape)) * dtype.itemsize >= 2**63:  # numpy's
-            raise ProtocolError(f"array {i}: numpy cannot make shape {str(shape)[:80]}")  # limits
+            raise ProtocolError(f"array {i}: dtype {name!r:.40} is not an allowed dtype: arrays "
+                                f"travel little-endian, spelled {_SPELLINGS}")
+        # type(n) is int, not isinstance: true and false are not lengths. Then numpy's limits.
+        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+                and len(shape) <= 32 and math.prod(filter(None, shape)) * dtype.itemsize < 2**63):
+            raise ProtocolError(f"array {i}: numpy cannot make shape {str(shape)[:80]}")
         layout.append((dtype, shape, math.prod(shape) * dtype.itemsize))
-    message = body["message"]
-    if "__array__" in message:
-        raise ProtocolError(f"bad array reference {str(message)[:80]}: the message is not an array")
-    _check_references(message, len(layout), 1)
     return message, layout
 
 
-def _with_arrays(template, arrays: list):
-    """A copy of a checked dict or list of a header, arrays[i] in place of each {"__array__": i}."""
-    if isinstance(template, dict):
-        copy, items = dict(template), template.items()
-    else:
-        copy, items = list(template), enumerate(template)
-    # References and plain values are handled in this loop: one call per dict or list, not one
-    # per value (the plain form).
-    for key, value in items:
-        if isinstance(value, dict):
-            copy[key] = (arrays[value["__array__"]] if "__array__" in value
-                         else _with_arrays(value, arrays))
-        elif isinstance(value, list):
-            copy[key] = _with_arrays(value, arrays)
+def _with_arrays(template, arrays: list, depth: int):
+    # A copy of a header's dict or list, arrays[i] in place of each {"__array__": i} (checked).
+    if depth > _MAX_DEPTH:
+        raise ProtocolError(f"the header nests deeper than {_MAX_DEPTH} levels")
+    copy, items = ((dict(template), template.items()) if isinstance(template, dict)
+                   else (list(template), enumerate(template)))
+    for key, value in items:  # one call per container; the plain form calls once per value
+        if isinstance(value, dict) and "__array__" in value:
+            index = value["__array__"]
+            if type(index) is not int or not 0 <= index < len(arrays) or len(value) != 1:
+                raise ProtocolError(f"bad array reference {str(value)[:80]}")
+            copy[key] = arrays[index]
+        elif isinstance(value, (dict, list)):
+            copy[key] = _with_arrays(value, arrays, depth + 1)
     return copy
 
 
-# A client sends the same header frame after frame (same keys, dtypes and shapes; only the array
-# bytes change), so unpack keeps what _check_header made of the last headers it read, and checks
-# a header again only when it changes. At most 64 headers of at most 4 KiB: little memory.
-_CHECKED_HEADERS = {}  # header bytes -> (message template, layout)
+# A client repeats its header frame after frame: unpack keeps the last 64 it checked (<= 4 KiB).
+_CHECKED_HEADERS = {}  # header bytes -> (template, layout); the plain form checks every header
 
 
 def unpack_message(frame: bytes) -> dict:
     """Decode one binary frame. Arrays are read-only views into the frame: copy one to modify it."""
     if not isinstance(frame, (bytes, bytearray)):
-        raise ProtocolError("expected a binary frame, got a text frame",
-                            "send messages made by pack_message")
+        raise ProtocolError("expected a binary frame, got a text frame", "send binary frames")
     if isinstance(frame, bytearray):  # arrays viewing a bytearray would be writable
         frame = memoryview(frame).toreadonly()
-    if len(frame) < _HEADER_LENGTH.size:
+    if len(frame) < 4:
         raise ProtocolError(f"frame of {len(frame)} bytes is shorter than its header length field")
-    (header_length,) = _HEADER_LENGTH.unpack_from(frame)
-    start = _HEADER_LENGTH.size + header_length
+    start = 4 + _HEADER_LENGTH.unpack_from(frame)[0]
     if start > len(frame):
-        raise ProtocolError(f"header declares {header_length} bytes "
-                            f"but the frame holds {len(frame) - _HEADER_LENGTH.size}")
-    header = bytes(frame[_HEADER_LENGTH.size:start])  # a dict key; bytes() copies only a memoryview
+        raise ProtocolError(f"header declares {start - 4} bytes, the frame holds {len(frame) - 4}")
+    header = bytes(frame[4:start])  # a dict key (copies only from a memoryview)
     checked = _CHECKED_HEADERS.get(header)
     if checked is None:
         checked = _check_header(header)
+        if len(_CHECKED_HEADERS) >= 64:
+            _CHECKED_HEADERS.clear()
         if len(header) <= 4096:
-            if len(_CHECKED_HEADERS) >= 64:
-                _CHECKED_HEADERS.clear()
             _CHECKED_HEADERS[header] = checked
     template, layout = checked
-
-    # Each array is checked against the bytes actually present before anything views them;
-    # nothing is allocated for its data, and nothing is copied.
     arrays, offset = [], start
-    for i, (dtype, shape, size) in enumerate(layout):
+    for i, (dtype, shape, size) in enumerate(layout):  # each size is checked before its view
         if size > len(frame) - offset:
             raise ProtocolError(f"array {i} declares {size} bytes but {len(frame) - offset} remain")
-        # A view of the frame's bytes, in one call. The plain form:
-        # np.frombuffer(frame, dtype, math.prod(shape), offset).reshape(shape)
-        arrays.append(np.ndarray(shape, dtype, frame, offset))
+        arrays.append(np.ndarray(shape, dtype, frame, offset))  # plain: frombuffer + reshape
         offset += size
     if offset != len(frame):
         raise ProtocolError(f"{len(frame) - offset} bytes are left over after the declared arrays")
-    return _with_arrays(template, arrays)
+    return _with_arrays(template, arrays, 1)
 
 
 # ===== 2. State types: what flows from infer to feedback, and what a checkpoint holds =====
@@ -1475,41 +1417,29 @@ def _leaves(tree: dict, path: str = ""):
 class VecEnv:
     """num_envs environments stepped together in numpy; every built-in environment is one.
 
-    A subclass sets obs_dim, action_dim (or num_actions, for discrete actions) and max_steps, and
-    writes _reset(rows), _step(action, rows) -> (reward, terminated, success) and _observe().
-    Register it with @register_env("my-env-v0") to run it with env-client or --local-env.
+    A subclass sets obs_dim, action_dim (or num_actions) and max_steps, and writes _reset(rows),
+    _step(action, rows) -> (reward, terminated, success) and _observe(); see register_env.
     """
 
-    obs_dim = 3
-    action_dim = 1
+    obs_dim, action_dim = 3, 1
     num_actions = None  # None: continuous actions in [-1, 1]; else int64 choices 0..num_actions-1
     max_steps = 10**9  # truncation after this many physical steps
 
     def __init__(self, num_envs: int, seed: int | None = None):
-        self.num_envs = num_envs
-        self.rng = np.random.default_rng(seed)
-        self.obs_spec = {"state": ((self.obs_dim,), "float32")}
-        self.episode_return = np.zeros(num_envs)
-        self.episode_length = np.zeros(num_envs, np.int64)
-        self.terminated = np.zeros(num_envs, bool)
-        self.truncated = np.zeros(num_envs, bool)
-        self.success = np.zeros(num_envs, bool)
+        self.num_envs, self.rng = num_envs, np.random.default_rng(seed)
+        self.episode_return, self.episode_length = np.zeros(num_envs), np.zeros(num_envs, np.int64)
+        self.terminated, self.truncated, self.success = np.zeros((3, num_envs), bool)
 
     def reset(self, indices=None) -> dict:
         """Start new episodes in the given environments (all by default); every observation."""
         rows = np.arange(self.num_envs) if indices is None else np.asarray(indices, np.int64)
         self._reset(rows)
-        for array in (self.episode_return, self.episode_length, self.terminated, self.truncated,
-                      self.success):
-            array[rows] = 0
+        self.episode_return[rows], self.episode_length[rows] = 0, 0
+        self.terminated[rows], self.truncated[rows], self.success[rows] = False, False, False
         return {"state": self._observe()}
 
     def step(self, action, active=None) -> tuple:
-        """One physical step of the active environments; the others stand still (reward 0).
-
-        Returns (obs, reward, terminated, truncated, info); info["episode"] holds the episodes
-        that ended in this step: r (return), l (length), s (success), mask (ended here).
-        """
+        """One physical step of the active environments (the others stand still, reward 0)."""
         active = np.ones(self.num_envs, bool) if active is None else np.asarray(active, bool)
         rows = np.flatnonzero(active)
         reward = np.zeros(self.num_envs, np.float32)
@@ -1518,6 +1448,7 @@ class VecEnv:
         self.episode_length[rows] += 1
         self.terminated[rows] = terminated
         self.truncated[rows] = ~terminated & (self.episode_length[rows] >= self.max_steps)
+        # info["episode"]: return r, length l and success s of the episodes ending here (mask).
         done = active & (self.terminated | self.truncated)
         episode = {"r": np.where(done, self.episode_return, 0).astype(np.float32),
                    "l": np.where(done, self.episode_length, 0), "s": done & self.success,
@@ -1528,18 +1459,12 @@ class VecEnv:
 
 @register_env("dummy-v1")
 class DummyEnv(VecEnv):
-    """dummy-v1: a point on [-1, 1] must reach a target. obs [x, target, target - x].
+    """dummy-v1: a point on [-1, 1] moves by 0.2 a toward a target. obs [x, target, target - x]."""
 
-    The action moves x by 0.2 * a. Reward -|target - x| a step; the episode terminates (a
-    success) within 0.05 of the target and truncates after 50 steps. The untrained dummy-policy
-    scores about -31, uniform random actions about -29, a good policy about -3.
-    """
-
-    max_steps = 50
+    max_steps = 50  # a success ends it sooner; random actions score about -29, a good policy -3
 
     def __init__(self, num_envs, seed=None):
-        self.x = np.zeros(num_envs)
-        self.target = np.zeros(num_envs)
+        self.x, self.target = np.zeros((2, num_envs))
         super().__init__(num_envs, seed)
 
     def _reset(self, rows):
@@ -1548,14 +1473,10 @@ class DummyEnv(VecEnv):
     def _step(self, action, rows):
         self.x[rows] = np.clip(self.x[rows] + 0.2 * np.clip(action[:, 0], -1, 1), -1, 1)
         distance = np.abs(self.target[rows] - self.x[rows])
-        return -distance, distance < 0.05, distance < 0.05
+        return -distance, distance < 0.05, distance < 0.05  # reaching the target: a success
 
     def _observe(self):
         return np.stack([self.x, self.target, self.target - self.x], axis=1).astype(np.float32)
-
-    def position_velocity(self, state):
-        """What a tracking controller steers: the position x (this point has no inertia)."""
-        return state[:, 0], np.zeros(len(state), np.float32)
 
 
 @register_env("pendulum-v1")
@@ -1565,8 +1486,7 @@ class PendulumEnv(VecEnv):
     max_steps = 200
 
     def __init__(self, num_envs, seed=None):
-        self.theta = np.zeros(num_envs)
-        self.theta_dot = np.zeros(num_envs)
+        self.theta, self.theta_dot = np.zeros((2, num_envs))
         super().__init__(num_envs, seed)
 
     def _reset(self, rows):
@@ -1577,34 +1497,25 @@ class PendulumEnv(VecEnv):
         g, m, length, dt = 10.0, 1.0, 1.0, 0.05
         u = 2.0 * np.clip(action[:, 0], -1, 1)
         theta, theta_dot = self.theta[rows], self.theta_dot[rows]
-        upright = (theta + np.pi) % (2 * np.pi) - np.pi
+        upright = (theta + np.pi) % (2 * np.pi) - np.pi  # the angle from upright, in [-π, π)
         cost = upright**2 + 0.1 * theta_dot**2 + 0.001 * u**2
         theta_acc = 3 * g / (2 * length) * np.sin(theta) + 3.0 / (m * length**2) * u
         theta_dot = np.clip(theta_dot + theta_acc * dt, -8, 8)
-        self.theta[rows] = theta + theta_dot * dt
+        self.theta[rows] = theta + theta_dot * dt  # the new velocity moves θ (semi-implicit)
         self.theta_dot[rows] = theta_dot
         return -cost, np.zeros(len(rows), bool), np.abs(upright) < 0.1
 
     def _observe(self):
-        return np.stack([np.cos(self.theta), np.sin(self.theta), self.theta_dot],
-                        axis=1).astype(np.float32)
-
-    def position_velocity(self, state):
-        """What a tracking controller steers: the angle θ and its rate."""
-        return np.arctan2(state[:, 1], state[:, 0]), state[:, 2]
+        obs = [np.cos(self.theta), np.sin(self.theta), self.theta_dot]
+        return np.stack(obs, axis=1).astype(np.float32)
 
 
 @register_env("cartpole-v1")
 class CartPoleEnv(VecEnv):
-    """cartpole-v1: Gymnasium's CartPole-v1 in numpy. obs [x, x', θ, θ']; action 0 pushes left.
+    """cartpole-v1: Gymnasium's CartPole-v1 in numpy. obs [x, x', θ, θ']; action 0 pushes left."""
 
-    Reward 1 a step; the episode terminates when the pole leans past 12 degrees or the cart
-    leaves [-2.4, 2.4], and truncates after 500 steps (a success). Random actions score about 22.
-    """
-
-    obs_dim = 4
-    num_actions = 2
-    max_steps = 500
+    obs_dim, num_actions = 4, 2
+    max_steps = 500  # lasting this long is a success; random actions last about 22 steps
 
     def __init__(self, num_envs, seed=None):
         self.state = np.zeros((num_envs, 4))  # float64, as Gymnasium keeps it
@@ -1619,16 +1530,16 @@ class CartPoleEnv(VecEnv):
         x, x_dot, theta, theta_dot = self.state[rows].T
         force = np.where(action[:, 0] == 1, 10.0, -10.0)
         cos, sin = np.cos(theta), np.sin(theta)
-        # Gymnasium's equations, in its order of operations, so the floats agree exactly.
+        # Gymnasium's equations in its order of operations, so the floats agree bit for bit.
         temp = (force + pole_mass * half_length * theta_dot**2 * sin) / total_mass
         theta_acc = (gravity * sin - cos * temp) / (
             half_length * (4.0 / 3.0 - pole_mass * cos**2 / total_mass))
         x_acc = temp - pole_mass * half_length * theta_acc * cos / total_mass
-        # Euler steps: positions move with the old velocities.
+        # Explicit Euler: positions move with the old velocities.
         x, theta = x + tau * x_dot, theta + tau * theta_dot
         x_dot, theta_dot = x_dot + tau * x_acc, theta_dot + tau * theta_acc
         self.state[rows] = np.stack([x, x_dot, theta, theta_dot], axis=1)
-        fallen = (np.abs(x) > 2.4) | (np.abs(theta) > 12 * 2 * math.pi / 360)
+        fallen = (np.abs(x) > 2.4) | (np.abs(theta) > 12 * 2 * math.pi / 360)  # 12 degrees
         return np.ones(len(rows)), fallen, ~fallen
 
     def _observe(self):
@@ -1637,12 +1548,12 @@ class CartPoleEnv(VecEnv):
 
 @register_env("counting-v1")
 class CountingEnv(VecEnv):
-    """counting-v1: obs = physical steps taken this episode, reward 1 a step; env i ends at 4 + i."""
+    """counting-v1: obs = physical steps this episode, reward 1 a step; env i ends at 4 + i."""
 
     obs_dim = 1
 
     def _reset(self, rows):
-        pass  # the step count is the base class's episode_length
+        pass  # the count is VecEnv's episode_length
 
     def _step(self, action, rows):
         ended = self.episode_length[rows] + 1 >= 4 + rows
@@ -1653,7 +1564,7 @@ class CountingEnv(VecEnv):
 
 
 class GymEnv(VecEnv):
-    """gym:ENV_ID: a Gymnasium environment with a Box (scaled from [-1, 1]) or Discrete actions."""
+    """gym:ENV_ID: a Gymnasium environment with Discrete or Box actions (scaled from [-1, 1])."""
 
     def __init__(self, env_id, num_envs, seed=None):
         try:
@@ -1661,37 +1572,32 @@ class GymEnv(VecEnv):
         except ImportError:
             raise SystemExit(f"gym:{env_id} needs gymnasium: pip install gymnasium") from None
         made = [gymnasium.make(env_id) for _ in range(num_envs)]
-        self.envs = [env.unwrapped for env in made]  # the time limit is kept as max_steps
+        self.envs = [env.unwrapped for env in made]  # its time limit is kept as max_steps
         space = made[0].action_space
         if isinstance(space, gymnasium.spaces.Discrete):
-            self.num_actions = int(space.n)
-            self.first_action = int(space.start)
+            self.num_actions, self.first_action = int(space.n), int(space.start)
         elif isinstance(space, gymnasium.spaces.Box):
-            self.action_dim = int(np.prod(space.shape))
-            self.low, self.high = space.low, space.high
+            self.action_dim, self.low, self.high = int(np.prod(space.shape)), space.low, space.high
         else:
             raise SystemExit(f"gym:{env_id} has a {type(space).__name__} action space; "
                              "plugrl_min runs Box and Discrete ones")
         self.obs_dim = int(np.prod(made[0].observation_space.shape))
         self.max_steps = made[0].spec.max_episode_steps or 10**9
-        self.last = np.zeros((num_envs, self.obs_dim), np.float32)
-        for i, env in enumerate(self.envs if seed is not None else []):
-            env.reset(seed=seed + i)  # seeds each environment's generator; later resets go on
+        self.last = np.zeros((num_envs, self.obs_dim), np.float32)  # each one's last observation
         super().__init__(num_envs, seed)
 
     def _reset(self, rows):
-        for i in rows:
-            self.last[i] = np.ravel(self.envs[i].reset()[0])
+        for i in rows:  # seeded from self.rng, so --seed makes episodes repeat
+            self.last[i] = np.ravel(self.envs[i].reset(seed=int(self.rng.integers(2**31)))[0])
 
     def _step(self, action, rows):
         reward = np.zeros(len(rows))
-        terminated = np.zeros(len(rows), bool)
-        success = np.zeros(len(rows), bool)
+        terminated, success = np.zeros((2, len(rows)), bool)
         for j, i in enumerate(rows):
-            if self.num_actions is not None:
-                act = int(action[j, 0]) + self.first_action
-            else:
+            if self.num_actions is None:
                 act = self.low + (np.clip(action[j], -1, 1) + 1) / 2 * (self.high - self.low)
+            else:
+                act = int(action[j, 0]) + self.first_action
             obs, reward[j], terminated[j], _, info = self.envs[i].step(act)
             self.last[i] = np.ravel(obs)
             success[j] = info.get("is_success", False)
@@ -1699,6 +1605,12 @@ class GymEnv(VecEnv):
 
     def _observe(self):
         return self.last.copy()
+
+
+def action_space(action_dim: int, num_actions: int | None) -> str:
+    """How messages name an action space: 'continuous, action_dim 1' or 'discrete, 2 actions'."""
+    return (f"continuous, action_dim {action_dim}" if num_actions is None
+            else f"discrete, {num_actions} actions")
 
 
 def make_env(env_id: str, num_envs: int = 1, seed: int | None = None) -> VecEnv:
@@ -1711,20 +1623,13 @@ def make_env(env_id: str, num_envs: int = 1, seed: int | None = None) -> VecEnv:
     return ENVIRONMENTS[env_id](num_envs, seed)
 
 
-def action_space(action_dim: int, num_actions: int | None) -> str:
-    """How messages name an action space: 'continuous, action_dim 1' or 'discrete, 2 actions'."""
-    if num_actions is None:
-        return f"continuous, action_dim {action_dim}"
-    return f"discrete, {num_actions} actions"
-
-
 # --- Executing a decision: one server action, one or more physical steps ---------------------
 
 class Controller:
     """A low-level controller: at every physical step, (obs, decision, state) -> (action, state).
 
-    A state is an array or a dict of arrays with one row per environment. Only the rows of
-    environments still running are passed in, and the rows that come back are stored.
+    A state is an array or a dict of arrays, one row per environment. Only the rows of the
+    environments still running are passed in; the rows that come back are stored.
     """
 
     decision_dim = 1
@@ -1733,24 +1638,9 @@ class Controller:
         """The state of n environments at the start of an episode."""
         return np.zeros((n, 0), np.float32)
 
-    def reset_state(self, state, indices):
-        """The state with the rows of `indices` started over (their environments were reset)."""
-        n = len(next(_leaves(state))[1]) if isinstance(state, dict) else len(state)
-        _put_rows(state, indices, slice_rows(self.initial_state(n), indices))
-        return state
-
     def __call__(self, obs: dict, decision: np.ndarray, state):
         """The physical action [k, action_dim] and the new state, for k running environments."""
         raise NotImplementedError
-
-
-def _put_rows(tree, rows, values) -> None:
-    """tree[rows] = values, for an array or a dict of arrays (in place)."""
-    if isinstance(tree, dict):
-        for key in tree:
-            _put_rows(tree[key], rows, values[key])
-    else:
-        tree[rows] = values
 
 
 class PassThroughController(Controller):
@@ -1764,19 +1654,14 @@ class PassThroughController(Controller):
 
 
 class TrackingController(Controller):
-    """For dummy-v1 and pendulum-v1: a PD law that steers the position toward the decision.
+    """track: a PD law steering the position read by position_velocity(obs) to scale * decision."""
 
-    The server's policy sets a target once per round trip; this acts at every physical step.
-    """
-
-    def __init__(self, env: VecEnv, kp: float = 5.0, kd: float = 1.0, scale: float = 1.0):
-        self.env = env
-        self.kp = kp
-        self.kd = kd
-        self.scale = scale
+    def __init__(self, position_velocity, scale: float = 1.0, kp: float = 5.0, kd: float = 1.0):
+        self.position_velocity, self.scale, self.kp, self.kd = position_velocity, scale, kp, kd
 
     def __call__(self, obs, decision, state):
-        position, velocity = self.env.position_velocity(obs["state"])
+        position, velocity = self.position_velocity(obs["state"])
+        # The error wrapped to [-π, π): the pendulum's short way round (dummy-v1's never wraps).
         error = (self.scale * decision[:, 0] - position + np.pi) % (2 * np.pi) - np.pi
         return np.clip(self.kp * error - self.kd * velocity, -1, 1)[:, None], state
 
@@ -1785,55 +1670,15 @@ def make_controller(name: str, env: VecEnv) -> Controller:
     """A built-in controller: pass-through (counting-v1) or track (dummy-v1, pendulum-v1)."""
     if name == "pass-through":
         return PassThroughController()
-    if name == "track" and hasattr(env, "position_velocity"):
-        return TrackingController(env, scale=np.pi if isinstance(env, PendulumEnv) else 1.0)
+    if name == "track" and isinstance(env, DummyEnv):  # obs [x, target, gap]; no inertia
+        return TrackingController(lambda obs: (obs[:, 0], 0.0))
+    if name == "track" and isinstance(env, PendulumEnv):  # obs [cos θ, sin θ, θ']
+        return TrackingController(lambda obs: (np.arctan2(obs[:, 1], obs[:, 0]), obs[:, 2]), np.pi)
     raise ValueError(f"unknown controller {name!r} for this environment; known: pass-through, "
                      "track (track needs dummy-v1 or pendulum-v1)")
 
 
 REWARD_AGGREGATIONS = ("sum", "mean", "last", "stack")
-
-
-def execute_decision(env: VecEnv, obs: dict, steps: int, physical_action, reward_aggregation: str,
-                     stack_observations: bool = False) -> tuple:
-    """The inner loop of MultiAction and ClosedLoopMultiAction: up to `steps` physical steps.
-
-    physical_action(t, obs, active) gives the action of step t. An environment that ends stops
-    stepping for the rest of the decision; the frame's observation and flags are those of its
-    last executed step.
-    """
-    n = env.num_envs
-    active = np.ones(n, bool)
-    executed = np.zeros(n, np.int64)
-    rewards = np.zeros((n, steps), np.float32)
-    seen = []  # the observation after every physical step
-    episode = None
-    for t in range(steps):
-        obs, rewards[:, t], terminated, truncated, info = env.step(
-            physical_action(t, obs, active), active)
-        executed += active
-        finished = info["episode"]  # each environment's episode, from the step where it ended
-        episode = finished if episode is None else {
-            key: np.where(finished["mask"], value, episode[key]) for key, value in finished.items()}
-        active &= ~(terminated | truncated)
-        seen.append(obs)
-        if not active.any():
-            break
-    # stack keeps `steps` columns while an environment still runs, and one trailing zero when
-    # every environment stopped early (MultiAction's ragged convention).
-    width = min(steps, executed.max() + 1)
-    if reward_aggregation == "sum":
-        reward = rewards.sum(1)
-    elif reward_aggregation == "mean":
-        reward = rewards.sum(1) / executed  # every environment executes the first step
-    elif reward_aggregation == "last":
-        reward = rewards[np.arange(n), executed - 1]
-    else:
-        reward = rewards[:, :width]
-    if stack_observations:  # as many observations as stacked rewards, the last one repeated
-        seen += [seen[-1]] * (width - len(seen))
-        obs = {key: np.stack([o[key] for o in seen], axis=1) for key in obs}
-    return obs, reward, terminated, truncated, {"episode": episode, "executed_steps": executed}
 
 
 def _check_choice(steps, reward_aggregation, name="steps"):
@@ -1847,17 +1692,16 @@ def _check_choice(steps, reward_aggregation, name="steps"):
 class MultiAction:
     """Open loop: an action chunk [n, H, action_dim] executed step by step, up to replan_steps."""
 
-    def __init__(self, env: VecEnv, replan_steps: int | None = None,
-                 reward_aggregation: str = "sum"):
+    stack_observations = False
+
+    def __init__(self, env: VecEnv, replan_steps: int | None = None, reward_aggregation="sum"):
         _check_choice(1 if replan_steps is None else replan_steps, reward_aggregation,
                       "replan_steps")
-        self.env = env
-        self.replan_steps = replan_steps
-        self.reward_aggregation = reward_aggregation
-        self.obs = None
+        self.env, self.replan_steps, self.reward_aggregation = env, replan_steps, reward_aggregation
+        self.obs = None  # what the next decision is made for
 
     def reset(self, indices=None) -> dict:
-        """Reset all or some environments; returns every observation."""
+        """Start new episodes in all or some environments; every observation."""
         self.obs = self.env.reset(indices)
         return self.obs
 
@@ -1867,86 +1711,100 @@ class MultiAction:
         n, dim = self.env.num_envs, self.env.action_dim
         if chunk.ndim != 3 or chunk.shape[0] != n or chunk.shape[1] < 1 or chunk.shape[2] != dim:
             raise ValueError(f"action chunk must be [{n}, H >= 1, {dim}], got {list(chunk.shape)}")
-        steps = chunk.shape[1]
-        if self.replan_steps is not None:
-            steps = min(steps, self.replan_steps)
-        result = execute_decision(self.env, self.obs, steps, lambda t, obs, active: chunk[:, t],
-                                  self.reward_aggregation)
-        self.obs = result[0]
-        return result
+        steps = min(chunk.shape[1], self.replan_steps or chunk.shape[1])
+        return self.execute_decision(steps, lambda t, obs, active: chunk[:, t])
+
+    def execute_decision(self, steps: int, physical_action) -> tuple:
+        """The inner loop of both executors: up to `steps` physical steps of one decision.
+
+        physical_action(t, obs, active) gives the action [n, ...] of step t. An environment that
+        ends stops for the rest of the decision: its observation and flags stay its last step's.
+        """
+        n = self.env.num_envs
+        active = np.ones(n, bool)
+        executed = np.zeros(n, np.int64)
+        rewards = np.zeros((n, steps), np.float32)  # a stopped environment earns 0
+        seen = []  # the observation after every physical step
+        episode = None
+        for t in range(steps):
+            action = physical_action(t, self.obs, active)
+            self.obs, rewards[:, t], terminated, truncated, info = self.env.step(action, active)
+            executed += active
+            ended = info["episode"]  # an environment ends once at most: keep that step's info
+            episode = ended if episode is None else {
+                key: np.where(ended["mask"], value, episode[key]) for key, value in ended.items()}
+            active &= ~(terminated | truncated)
+            seen.append(self.obs)
+            if not active.any():
+                break
+        # stack keeps `steps` columns while an environment still runs, and one trailing zero when
+        # every environment stopped early (MultiAction's ragged convention).
+        width = min(steps, executed.max() + 1)
+        by_mode = {"sum": rewards.sum(1), "mean": rewards.sum(1) / executed,  # over executed steps
+                   "last": rewards[np.arange(n), executed - 1], "stack": rewards[:, :width]}
+        reward = by_mode[self.reward_aggregation]
+        obs = self.obs  # the newest observation stays where the next decision starts
+        if self.stack_observations:  # as many observations as stacked rewards, the last repeated
+            seen += [seen[-1]] * (width - len(seen))
+            obs = {key: np.stack([o[key] for o in seen], axis=1) for key in obs}
+        return obs, reward, terminated, truncated, {"episode": episode, "executed_steps": executed}
 
 
-class ClosedLoopMultiAction:
-    """Closed loop: a decision [n, decision_dim] held for `steps` physical steps, acted out by a
-    controller that sees the fresh observation at every step. With steps=1, one plain step.
-    """
+def _put_rows(tree, rows, values) -> None:
+    # tree[rows] = values, in place, for an array or a nested dict of arrays (see slice_rows).
+    if isinstance(tree, dict):
+        for key in tree:
+            _put_rows(tree[key], rows, values[key])
+    else:
+        tree[rows] = values
+
+
+class ClosedLoopMultiAction(MultiAction):
+    """Closed loop: a decision held for `steps` steps, acted out by a controller on fresh obs."""
 
     def __init__(self, env: VecEnv, controller: Controller, steps: int,
                  reward_aggregation: str = "sum", stack_observations: bool = False):
         _check_choice(steps, reward_aggregation)
-        self.env = env
-        self.controller = controller
-        self.steps = int(steps)
-        self.reward_aggregation = reward_aggregation
+        super().__init__(env, reward_aggregation=reward_aggregation)
+        self.controller, self.steps = controller, int(steps)
         self.stack_observations = stack_observations
         self.state = controller.initial_state(env.num_envs)
-        self.obs = None
 
     def reset(self, indices=None) -> dict:
-        """Reset all or some environments and their controller state; every observation."""
-        self.obs = self.env.reset(indices)
-        if indices is None:
-            self.state = self.controller.initial_state(self.env.num_envs)
-        else:
-            self.state = self.controller.reset_state(self.state, np.asarray(indices, np.int64))
-        return self.obs
+        """Reset all or some environments, and their controller state; every observation."""
+        rows = slice(None) if indices is None else np.asarray(indices, np.int64)
+        fresh = self.controller.initial_state(self.env.num_envs)
+        _put_rows(self.state, rows, slice_rows(fresh, rows))
+        return super().reset(indices)
 
     def step(self, decision) -> tuple:
-        """Execute one decision: (obs, reward, terminated, truncated, info) of the whole decision."""
+        """Execute one decision: (obs, reward, terminated, truncated, info) of all its steps."""
         decision = np.asarray(decision, np.float32)
         expected = (self.env.num_envs, self.controller.decision_dim)
         if decision.shape != expected:
             raise ValueError(f"decision must be {list(expected)}, got {list(decision.shape)}")
 
         def physical_action(t, obs, active):
-            # Finished environments stop executing the controller: only running rows go in,
-            # so a controller with side effects never acts for them, and their state stays.
+            # Only running rows go in: a finished environment's controller neither acts nor moves.
             rows = np.flatnonzero(active)
             action, state = self.controller(slice_rows(obs, rows), decision[rows],
                                             slice_rows(self.state, rows))
             _put_rows(self.state, rows, state)
-            action = np.asarray(action)
-            full = np.zeros((self.env.num_envs, *action.shape[1:]), action.dtype)
+            full = np.zeros_like(action, shape=(self.env.num_envs, *np.shape(action)[1:]))
             full[rows] = action
             return full
 
-        result = execute_decision(self.env, self.obs, self.steps, physical_action,
-                                  self.reward_aggregation, self.stack_observations)
-        obs = result[0]
-        if self.stack_observations:  # the newest observation is the last of the stack
-            obs = {key: value[:, -1] for key, value in obs.items()}
-        self.obs = obs
-        return result
+        return self.execute_decision(self.steps, physical_action)
 
 
 # --- The rollout loop -------------------------------------------------------------------------
 
-@dataclasses.dataclass
-class Tally:
-    """What the env client counts for its summary."""
-
-    returns: list = dataclasses.field(default_factory=list)  # of every finished episode
-    env_steps: int = 0  # physical steps
-    decisions: int = 0  # frames: one per environment per action received
-
-
-async def run_episodes(ws, executor, num_episodes: int, tally: Tally) -> None:
+async def run_episodes(ws, executor, num_episodes: int, tally: dict) -> None:
     """The client's loop: infer, execute the decision, send feedback, reset what finished."""
-    env = executor.env
     closed_loop = isinstance(executor, ClosedLoopMultiAction)
     check_metadata(unpack_message(await ws.recv()), executor, closed_loop)
-    env_indices = np.arange(env.num_envs, dtype=np.int64)
-    while len(tally.returns) < num_episodes:
+    env_indices = np.arange(executor.env.num_envs, dtype=np.int64)
+    while len(tally["returns"]) < num_episodes:
         infer = {"message_type": "infer", "env_indices": env_indices, "obs": executor.obs}
         await ws.send(pack_message(infer))
         reply = unpack_message(await ws.recv())
@@ -1957,15 +1815,15 @@ async def run_episodes(ws, executor, num_episodes: int, tally: Tally) -> None:
         if closed_loop:
             action = action[:, 0]  # one decision [n, decision_dim]
         obs, reward, terminated, truncated, info = executor.step(action)
+        # The feedback carries the observation the episode ended on; the reset gives the next
+        # infer the observation the new episode starts from.
         done = terminated | truncated
-        # The feedback carries the observation the episode ended on; the next infer, the
-        # observation the new episode starts from.
         if done.any():
             executor.reset(np.flatnonzero(done))
         episode = info["episode"]
-        tally.returns += episode["r"][episode["mask"]].tolist()
-        tally.env_steps += int(info["executed_steps"].sum())
-        tally.decisions += env.num_envs
+        tally["returns"] += episode["r"][episode["mask"]].tolist()
+        tally["env_steps"] += int(info["executed_steps"].sum())
+        tally["decisions"] += len(env_indices)
         feedback = {"message_type": "feedback", "env_indices": env_indices, "obs": obs,
                     "reward": reward, "terminated": terminated, "truncated": truncated,
                     "info": {"episode": episode} if episode["mask"].any() else {}}
@@ -1973,39 +1831,32 @@ async def run_episodes(ws, executor, num_episodes: int, tally: Tally) -> None:
 
 
 def check_metadata(meta: dict, executor, closed_loop: bool) -> None:
-    """Stop with a clear message when the server's policy does not fit this environment."""
+    """Stop with a clear message when the server's policy cannot act in this environment."""
     if meta.get("message_type") != "metadata" or meta.get("protocol_version") != PROTOCOL_VERSION:
         raise SystemExit(f"the server speaks protocol {meta.get('protocol_version')}, "
                          f"this client {PROTOCOL_VERSION}")
-    env = executor.env
-    mine = {key: {"shape": list(shape), "dtype": np.dtype(dtype).str}
-            for key, (shape, dtype) in env.obs_spec.items()}
-    theirs = {key: {"shape": list(spec["shape"]), "dtype": np.dtype(spec["dtype"]).str}
-              for key, spec in meta["obs_spec"].items()}  # "float32" is "<f4" too
-    problems = []
-    if theirs != mine:
-        problems.append(f"the policy reads observations {theirs}, this environment gives {mine}")
-    server_space = action_space(meta["action_dim"], meta.get("num_actions"))
-    if closed_loop:
-        needed = action_space(executor.controller.decision_dim, None)
-    else:
-        needed = action_space(env.action_dim, env.num_actions)
-    if server_space != needed:
-        problems.append(f"the policy's actions are {server_space}, this client needs {needed}")
+    mine = {"state": {"shape": [executor.env.obs_dim], "dtype": "<f4"}}
+    reads = {key: {"shape": spec["shape"], "dtype": np.dtype(spec["dtype"]).str}  # <f4 = float32
+             for key, spec in meta["obs_spec"].items()}
+    if reads != mine:
+        raise SystemExit(f"the server's policy does not fit this environment: it reads {reads}, "
+                         f"this environment gives {mine} (see --policy.obs-dim)")
+    theirs = action_space(meta["action_dim"], meta.get("num_actions"))
+    needed = (action_space(executor.controller.decision_dim, None) if closed_loop
+              else action_space(executor.env.action_dim, executor.env.num_actions))
+    if theirs != needed:
+        raise SystemExit("the server's policy does not fit this environment: the policy's "
+                         f"actions are {theirs}, this client needs {needed}")
     if closed_loop and meta["action_horizon"] != 1:
-        problems.append(f"a closed loop takes one decision, the policy sends "
-                        f"{meta['action_horizon']}")
-    if problems:
-        raise SystemExit("the server's policy does not fit this environment: "
-                         + "; ".join(problems))
+        raise SystemExit("the server's policy does not fit this environment: a closed loop "
+                         f"takes one decision, the policy sends {meta['action_horizon']}")
 
 
 async def connect_to_server(args):
-    """Connect, retrying with backoff for --connect-timeout s; None if the run has ended."""
+    """Connect, retrying for --connect-timeout s; None if the run has ended."""
     uri = f"ws://{args.server_host}:{args.server_port}"
     headers = {"Authorization": f"Bearer {args.token}"} if args.token else None
     deadline = time.monotonic() + args.connect_timeout
-    delay = 0.05
     while True:
         try:
             return await connect(uri, additional_headers=headers, max_size=args.max_message_bytes,
@@ -2020,8 +1871,7 @@ async def connect_to_server(args):
             if time.monotonic() > deadline:
                 raise SystemExit(f"no server at {uri} after {args.connect_timeout:g} s "
                                  f"({error})") from None
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, 1.0)
+            await asyncio.sleep(0.1)
 
 
 async def run_env_client(args) -> int:
@@ -2033,61 +1883,48 @@ async def run_env_client(args) -> int:
         executor = ClosedLoopMultiAction(env, make_controller(args.controller, env),
                                          args.closed_loop_steps, args.reward_aggregation)
     executor.reset()
-    tally = Tally()
-    start = None
-    while True:
+    tally = {"returns": [], "env_steps": 0, "decisions": 0}  # kept across reconnections
+    start, ending = None, None
+    while ending is None:
         ws = await connect_to_server(args)
-        start = start or time.perf_counter()
+        start = start or time.perf_counter()  # the wait for the first server is not counted
         if ws is None:
             ending = "the server ended the run"
-            break
+            continue
         try:
             async with ws:
                 await run_episodes(ws, executor, args.num_episodes, tally)
-            ending = f"finished {len(tally.returns)} episodes"
-            break
+            ending = f"finished {len(tally['returns'])} episodes"
         except websockets.ConnectionClosed as closed:
             reason = closed.rcvd.reason if closed.rcvd else ""
-            if reason == RUN_FINISHED:
-                ending = "the server ended the run"
-                break
             if reason.startswith(SERVER_FAILED):
                 raise SystemExit(f"the server failed ({reason}); see its log") from None
-            # Any other loss: the server restarted or the network blinked. The decision in
-            # flight is dropped (the new server never gave that action); the environments go on.
-            print(f"lost the server ({closed}); reconnecting", file=sys.stderr)
+            if reason == RUN_FINISHED:
+                ending = "the server ended the run"
+            else:  # a restart or a network blink: the decision in flight is dropped
+                print(f"lost the server ({closed}); reconnecting", file=sys.stderr)
     seconds = time.perf_counter() - start
-    returns = tally.returns
+    returns = tally["returns"]
     mean_return = float(np.mean(returns)) if returns else float("nan")
-    summary = {"episodes": len(returns), "env_steps": tally.env_steps,
-               "decisions": tally.decisions, "mean_return": mean_return, "seconds": seconds,
-               "returns": returns}
     print(f"{ending}: {len(returns)} episodes, mean return {mean_return:.2f}, "
-          f"{tally.env_steps} env steps, {tally.decisions} decisions, {seconds:.1f} s, "
-          f"{tally.env_steps / max(seconds, 1e-9):.0f} env steps/s", flush=True)
+          f"{tally['env_steps']} env steps, {tally['decisions']} decisions, {seconds:.1f} s, "
+          f"{tally['env_steps'] / max(seconds, 1e-9):.0f} env steps/s", flush=True)
     if args.summary_json:
         with open(args.summary_json, "w") as file:
-            json.dump(summary, file)
+            json.dump({"episodes": len(returns), "mean_return": mean_return, "seconds": seconds,
+                       **tally}, file)
     return 0
 
 
 # ===== 8. Command line: the server (POLICY VARIANT ALGO VARIANT) and the env-client =====
 # PlugRL page: plugrl-run-server and plugrl-run-env-client, flags from the config dataclasses.
 
-USAGE = """\
-usage: python plugrl_min.py POLICY VARIANT ALGO VARIANT [--algo.FIELD V] [--policy.FIELD V] [...]
-       python plugrl_min.py env-client ENV_ID [--server-port P] [--num-episodes N] [...]
-add --help after all four words for every flag; --plugin MODULE imports a plug-in first"""
-
-
 def _flag_type(hint):
-    """A converter for one config field's type: int, float, str, bool, or one of these | None."""
-    options = [arg for arg in typing.get_args(hint) if arg is not type(None)] or [hint]
-    base = options[0]
-    optional = type(None) in typing.get_args(hint)
+    """argparse's type= for a config field of type int, float, str or bool, each maybe | None."""
+    base = next((arg for arg in typing.get_args(hint) if arg is not type(None)), hint)
 
     def convert(text):
-        if optional and text.lower() == "none":
+        if text.lower() == "none" and type(None) in typing.get_args(hint):
             return None
         if base is bool:
             if text.lower() not in ("true", "false", "1", "0"):
@@ -2099,17 +1936,6 @@ def _flag_type(hint):
     return convert
 
 
-def _add_config_flags(parser, prefix: str, config) -> None:
-    """--prefix.field-name for every field of a config dataclass."""
-    hints = typing.get_type_hints(type(config))
-    group = parser.add_argument_group(f"--{prefix}.* ({type(config).__name__})")
-    for field in dataclasses.fields(config):
-        default = getattr(config, field.name)
-        group.add_argument(f"--{prefix}.{field.name.replace('_', '-')}", dest=f"{prefix}.{field.name}",
-                           type=_flag_type(hints[field.name]), default=default, metavar="V",
-                           help=f"default: {default}")
-
-
 def _registered(table) -> str:
     """'uid (variant, ...)' for every uid of a config table."""
     uids = {}
@@ -2118,120 +1944,101 @@ def _registered(table) -> str:
     return ", ".join(f"{uid} ({', '.join(variants)})" for uid, variants in sorted(uids.items()))
 
 
-def _listing() -> str:
-    """What is registered: policies, algorithms and environments (plug-ins included)."""
-    return (f"policies: {_registered(_POLICY_CONFIGS)}\n"
-            f"algorithms: {_registered(_ALGO_CONFIGS)}\n"
-            f"environments (env-client, --local-env): {', '.join(ENVIRONMENTS)}, gym:ENV_ID")
-
-
 def _choose(table, kind: str, uid: str, variant: str):
-    """The registered config of (uid, variant), or a one-line error that says what to do."""
+    """A copy of the registered config of (uid, variant), or a one-line error saying what to do."""
     if (uid, variant) not in table:
         hint = "" if any(known == uid for known, _ in table) else (
             f"; if {uid!r} is defined in a plug-in module, add --plugin MODULE")
         raise SystemExit(f"error: unknown {kind} {uid!r} variant {variant!r}; known: "
                          f"{_registered(table)}{hint}")
-    return dataclasses.replace(table[(uid, variant)])
+    return dataclasses.replace(table[(uid, variant)])  # flags must not change the registry
 
 
 def fitting_env(policy: BaseTorchPolicy) -> str | None:
     """The first registered environment whose observations and actions fit the policy."""
-    for env_id, env_class in ENVIRONMENTS.items():
-        fits_obs = policy.obs_spec == {"state": ((env_class.obs_dim,), "float32")}
-        if fits_obs and env_class.num_actions == policy.num_actions and (
-                policy.num_actions is not None or env_class.action_dim == policy.action_dim):
-            return env_id
-    return None
+    space = action_space(policy.action_dim, policy.num_actions)
+    return next((env_id for env_id, env in ENVIRONMENTS.items()
+                 if policy.obs_spec == {"state": ((env.obs_dim,), "float32")}
+                 and action_space(env.action_dim, env.num_actions) == space), None)
 
 
-def _server_args(argv: list[str]) -> tuple:
-    """The four words, their configs with --policy.* and --algo.* applied, the server flags."""
-    words = []
-    for word in argv[:4]:
-        if word.startswith("-"):
-            break
-        words.append(word)
-    if len(words) < 4:  # one listing for every incomplete command, --help or not
-        print(f"{USAGE}\n\n{_listing()}")
-        raise SystemExit(0 if {"-h", "--help"} & set(argv) else 2)
-    policy_config = _choose(_POLICY_CONFIGS, "policy", *words[:2])
-    algo_config = _choose(_ALGO_CONFIGS, "algorithm", *words[2:4])
-    parser = argparse.ArgumentParser(
-        prog=f"python plugrl_min.py {' '.join(words)}",
-        description="Serve this policy and algorithm to env clients over WebSocket.")
-    _add_config_flags(parser, "policy", policy_config)
-    _add_config_flags(parser, "algo", algo_config)
-    add = parser.add_argument
-    add("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    add("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
-    add("--run-dir", help="where checkpoints and metrics go (default: runs/ALGO-TIME)")
-    add("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
-    add("--seed", type=int, help="seeds torch and numpy on the server (and local clients)")
-    add("--local-env-clients", type=int, default=0, metavar="N",
-        help="start N env clients beside the server, so one command trains")
-    add("--local-env", metavar="ENV_ID",
-        help="environment of the local env clients (default: the first that fits the policy)")
-    add("--local-num-envs", type=int, default=1, metavar="M",
-        help="environments per local env client")
-    add("--trace", type=int, default=0, metavar="N",
-        help="narrate the first N frames and the learns among them")
-    add("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help="larger frames close")
-    add("--feedback-timeout", type=float, default=60.0,
-        help="drop a client silent this long while it owes feedback (seconds)")
-    add("--token", default=os.environ.get("PLUGRL_TOKEN"),
-        help="clients must present this token (default: $PLUGRL_TOKEN)")
-    args = parser.parse_args(argv[4:])
-    for prefix, config in (("policy", policy_config), ("algo", algo_config)):
-        for field in dataclasses.fields(config):
-            setattr(config, field.name, getattr(args, f"{prefix}.{field.name}"))
-    shared = ({f.name for f in dataclasses.fields(policy_config)}
-              & {f.name for f in dataclasses.fields(algo_config)})
-    for name in sorted(shared):
-        print(f"warning: {name!r} is in both the policy and the algorithm config: keep it in one",
-              file=sys.stderr)
-    if args.resume and not args.run_dir:
-        raise SystemExit("error: --resume needs --run-dir DIR, the run to continue")
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.token:
-        print(f"warning: serving on {args.host} without --token: anyone who can reach it can "
-              "connect", file=sys.stderr)
-    return words, policy_config, algo_config, args
-
-
-def _building(what: str, build):
-    """Run one build step; a failure keeps its traceback and ends with a line naming the step."""
+def _building(what: str, build, *args):
+    """build(*args); a failure keeps its traceback and ends with a line naming the step."""
     try:
-        return build()
-    except KeyError as error:  # the page's symptom: the config was imported, the class was not
-        if "is not registered" not in str(error):
-            raise
-        raise SystemExit(f"KeyError: {error}") from None
-    except Exception:
+        return build(*args)
+    except Exception:  # a KeyError "... is not registered." too: the page's symptom, as it is
         traceback.print_exc()
         raise SystemExit(f"error: building {what} failed (the traceback above says why)") from None
 
 
 def server_main(argv: list[str], plugins: list[str] = ()) -> int:
     """Parse the server command line, build policy and algorithm, maybe resume, and serve."""
-    words, policy_config, algo_config, args = _server_args(argv)
+    words = argv[:4]  # POLICY VARIANT ALGO VARIANT
+    if len(words) < 4 or any(word.startswith("-") for word in words):  # --help alone lands here
+        print("usage: python plugrl_min.py POLICY VARIANT ALGO VARIANT [flags; --help lists them]\n"
+              "       python plugrl_min.py env-client ENV_ID [flags; --help lists them]\n"
+              "--plugin MODULE, anywhere on the line, imports a plug-in first\n\n"
+              f"policies: {_registered(_POLICY_CONFIGS)}\n"
+              f"algorithms: {_registered(_ALGO_CONFIGS)}\n"
+              f"environments (env-client, --local-env): {', '.join(ENVIRONMENTS)}, gym:ENV_ID")
+        return 0 if {"-h", "--help"} & set(argv) else 2
+    configs = {"policy": _choose(_POLICY_CONFIGS, "policy", *words[:2]),
+               "algo": _choose(_ALGO_CONFIGS, "algorithm", *words[2:])}
+    parser = argparse.ArgumentParser(prog=f"python plugrl_min.py {' '.join(words)}",
+                                     description="Serve this policy and algorithm over WebSocket.")
+    for prefix, config in configs.items():  # --policy.hidden-size, --algo.global-steps, ...
+        hints = typing.get_type_hints(type(config))
+        group = parser.add_argument_group(f"--{prefix}.* ({type(config).__name__})")
+        for field in dataclasses.fields(config):
+            default = getattr(config, field.name)
+            group.add_argument(f"--{prefix}.{field.name.replace('_', '-')}", metavar="V",
+                               dest=f"{prefix}.{field.name}", type=_flag_type(hints[field.name]),
+                               default=default, help=f"default: {default}")
+    add = parser.add_argument
+    add("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    add("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
+    add("--run-dir", help="where checkpoints and metrics go (default: runs/ALGO-TIME)")
+    add("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
+    add("--seed", type=int, help="seeds torch and numpy on the server (and local clients)")
+    add("--local-env-clients", type=int, default=0, metavar="N", help="start N env clients too")
+    add("--local-env", metavar="ENV_ID",
+        help="environment of the local env clients (default: the first that fits the policy)")
+    add("--local-num-envs", type=int, default=1, metavar="M", help="environments per local client")
+    add("--trace", type=int, default=0, metavar="N", help="narrate the first N frames and learns")
+    add("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help="larger frames close")
+    add("--feedback-timeout", type=float, default=60.0,
+        help="drop a client silent this long while it owes feedback (seconds)")
+    add("--token", default=os.environ.get("PLUGRL_TOKEN"),
+        help="clients must present this token (default: $PLUGRL_TOKEN)")
+    args = parser.parse_args(argv[4:])
+    for prefix, config in configs.items():
+        for field in dataclasses.fields(config):
+            setattr(config, field.name, getattr(args, f"{prefix}.{field.name}"))
+    policy_config, algo_config = configs["policy"], configs["algo"]
+    shared = ({field.name for field in dataclasses.fields(policy_config)}
+              & {field.name for field in dataclasses.fields(algo_config)})
+    for name in sorted(shared):
+        print(f"warning: {name!r} is in both the policy and the algorithm config: keep it in one",
+              file=sys.stderr)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.token:
+        print(f"warning: serving on {args.host} without --token: anyone who can reach it can "
+              "connect", file=sys.stderr)
+
     run_dir = args.run_dir or os.path.join("runs", f"{words[2]}-{time.strftime('%Y%m%d-%H%M%S')}")
-    resolved = {"policy": words[0], "policy_variant": words[1],
-                "policy_config": dataclasses.asdict(policy_config), "algorithm": words[2],
-                "algo_variant": words[3], "algo_config": dataclasses.asdict(algo_config),
-                "seed": args.seed}
+    resolved = dict(zip(("policy", "policy_variant", "algorithm", "algo_variant"), words),
+                    policy_config=dataclasses.asdict(policy_config),
+                    algo_config=dataclasses.asdict(algo_config), seed=args.seed)
     print(json.dumps(resolved, indent=2), flush=True)
     if args.seed is not None:
         torch.manual_seed(args.seed)
         np.random.seed(args.seed)
-    # Inference batches are small: the main thread answers fastest with one torch thread. Only
-    # the learn thread uses them all (set before anything is built: more OpenMP threads than
-    # cores makes every parallel region of learn wait for a sleeping helper).
+    # One torch thread answers the small inference batches fastest; only the learn thread uses
+    # them all. Set first: more OpenMP threads than cores make learn wait on sleeping helpers.
     learn_threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    policy = _building(f"policy {words[0]!r} from its config", lambda: make_policy(words[0],
-                                                                                policy_config))
-    algo = _building(f"algorithm {words[2]!r} from its config",
-                  lambda: make_algo(words[2], policy, algo_config))
+    policy = _building(f"policy {words[0]!r} from its config", make_policy, words[0], policy_config)
+    algo = _building(f"algorithm {words[2]!r} from its config", make_algo, words[2], policy,
+                     algo_config)
     _building(f"the optimizers of algorithm {words[2]!r}", algo.init_optimizers)
     counters = {}
     if args.resume:
@@ -2251,13 +2058,12 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
     server = Server(algo, run_dir, (words[0], words[2]), max_message_bytes=args.max_message_bytes,
                     feedback_timeout=args.feedback_timeout, token=args.token,
                     learn_threads=learn_threads, trace=args.trace, **counters)
-    plugin_flags = [flag for module in plugins for flag in ("--plugin", module)]
     clients = []
 
     def start_clients(port: int) -> None:
         client_args = ["env-client", local_env or "ENV_ID", "--server-port", str(port),
                        "--num-envs", str(args.local_num_envs), "--num-episodes", str(10**9),
-                       *plugin_flags]
+                       *[flag for module in plugins for flag in ("--plugin", module)]]
         if not args.local_env_clients:
             print("no env clients yet: start one in another terminal with\n"
                   f"  python {os.path.basename(__file__)} {' '.join(client_args)}\n"
@@ -2317,11 +2123,10 @@ def env_client_main(argv: list[str]) -> int:
 
 def import_plugins(argv: list[str]) -> tuple[list[str], list[str]]:
     """Import every --plugin MODULE (anywhere on the line); returns (plug-ins, the other words)."""
-    plugins = [argv[i + 1] for i, word in enumerate(argv[:-1]) if word == "--plugin"]
-    plugins += [word.split("=", 1)[1] for word in argv if word.startswith("--plugin=")]
-    rest = [word for i, word in enumerate(argv) if word != "--plugin"
-            and not word.startswith("--plugin=") and (i == 0 or argv[i - 1] != "--plugin")]
-    for module in plugins:
+    parser = argparse.ArgumentParser(prog="plugrl_min.py", add_help=False, allow_abbrev=False)
+    parser.add_argument("--plugin", action="append", default=[])
+    plugins, rest = parser.parse_known_args(argv)
+    for module in plugins.plugin:
         if module.endswith(".py"):
             name = module[:-3].replace("/", ".")
             raise SystemExit(f"error: --plugin takes a module name, not a file: --plugin {name}")
@@ -2330,7 +2135,7 @@ def import_plugins(argv: list[str]) -> tuple[list[str], list[str]]:
         except ModuleNotFoundError as error:
             raise SystemExit(f"error: cannot import plug-in {module!r}: {error} (is its folder "
                              "the current one, or on PYTHONPATH?)") from None
-    return plugins, rest
+    return plugins.plugin, rest
 
 
 def main(argv: list[str] | None = None) -> None:
