@@ -77,7 +77,7 @@ _HEADER_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
 class ProtocolError(ValueError):
     """A message that breaks the wire format or the protocol; `hint` tells the sender what to do."""
 
-    def __init__(self, message, hint="check the client against the message table in README.md"):
+    def __init__(self, message, hint="see 'The wire protocol' in README.md"):
         super().__init__(message)
         self.hint = hint
 
@@ -341,7 +341,7 @@ class BaseTorchPolicy(nn.Module):
 @register_policy_config("dummy-policy")
 @dataclasses.dataclass
 class DummyPolicyConfig:
-    """Sizes of dummy-policy; the defaults fit dummy-v1 and pendulum-v1 (3 observations, 1 action)."""
+    """Sizes of dummy-policy; the defaults fit dummy-v1 and pendulum-v1 (3 numbers in, 1 out)."""
 
     obs_dim: int = 3
     action_dim: int = 1
@@ -785,7 +785,6 @@ RUN_FINISHED = "run finished"  # the close reason that tells a client the run is
 SERVER_FAILED = "server failed"  # the close reason's prefix when an algorithm hook raised
 MAX_MESSAGE_BYTES = 16 * 2**20
 NO_NODE = (-1, "")  # prev_node when there is no stored frame of this environment to link to
-PROTOCOL_HINT = "see 'The wire protocol' in README.md"
 
 
 @dataclasses.dataclass(eq=False)
@@ -925,7 +924,8 @@ class Server:
                     self.inbox.append(self.accept(conn, unpack_message(frame)))
                 except Exception as error:  # whatever a client sends costs only its connection
                     if not isinstance(error, ProtocolError):
-                        error = ProtocolError(f"malformed message ({type(error).__name__}: {error})")
+                        error = ProtocolError(f"malformed message ({type(error).__name__}: "
+                                              f"{error})")
                     await self.reject(conn, error)
                     return
                 self.wake.set()
@@ -1146,7 +1146,7 @@ class Server:
               f"-> {where} | prev_node {message.slots[j].prev_node} -> {node}", flush=True)
 
     def drop_silent_clients(self) -> None:
-        """Drop a client silent for --feedback-timeout s while it owes feedback (learns excepted)."""
+        """Drop a client silent for --feedback-timeout s while it owes feedback (not learning)."""
         limit = time.monotonic() - self.feedback_timeout
         for conn in list(self.connections):
             if conn.owed and max(conn.heard_at, self.learned_at) < limit:
@@ -1319,7 +1319,7 @@ def describe(value) -> str:
 
 def mismatch(field: str, expected: str, value) -> ProtocolError:
     """The error for a field that is not what the protocol reference says it must be."""
-    return ProtocolError(f"{field} must be {expected}; got {describe(value)}", PROTOCOL_HINT)
+    return ProtocolError(f"{field} must be {expected}; got {describe(value)}")
 
 
 def is_array(value, kinds: str, shape: tuple) -> bool:
@@ -1335,8 +1335,7 @@ def check_message(message: dict, obs_spec: dict) -> tuple[str, list]:
     """Check an infer or feedback message field by field: (message_type, env_indices as ints)."""
     kind = message.get("message_type")
     if kind not in ("infer", "feedback"):
-        raise ProtocolError(f"message_type must be 'infer' or 'feedback'; got {str(kind)[:40]!r}",
-                            PROTOCOL_HINT)
+        raise ProtocolError(f"message_type must be 'infer' or 'feedback'; got {str(kind)[:40]!r}")
     indices = message.get("env_indices", MISSING)
     if not (isinstance(indices, np.ndarray) and indices.dtype == np.int64 and indices.ndim == 1):
         raise mismatch(f"{kind}.env_indices", "int64 [n]", indices)
@@ -1367,14 +1366,15 @@ def check_message(message: dict, obs_spec: dict) -> tuple[str, list]:
         for key, kinds, expected in EPISODE_FIELDS:
             value = episode.get(key, MISSING)
             if not is_array(value, kinds, (n,)):
-                raise mismatch(f"feedback.info.episode.{key}", f"{expected} [m] with m = {n}", value)
+                raise mismatch(f"feedback.info.episode.{key}", f"{expected} [m] with m = {n}",
+                               value)
         finite["feedback.info.episode.r"] = episode["r"]
     for path, leaf in _leaves(info, "feedback.info"):
         if not (isinstance(leaf, np.ndarray) and leaf.shape[:1] == (n,)):
             raise mismatch(path, f"an array [m, ...] with m = {n}", leaf)
     for field, array in finite.items():
         if not np.isfinite(array).all():
-            raise ProtocolError(f"{field} holds NaN or infinity", PROTOCOL_HINT)
+            raise ProtocolError(f"{field} holds NaN or infinity")
     return kind, env_ids
 
 
@@ -1382,8 +1382,7 @@ def check_obs(obs, obs_spec: dict, n: int, field: str) -> None:
     """Observations must match the policy's obs_spec exactly, batched [n, ...], and be finite."""
     if not (isinstance(obs, dict) and obs.keys() == obs_spec.keys()):
         got = sorted(obs) if isinstance(obs, dict) else describe(obs)
-        raise ProtocolError(f"{field} must have the keys {sorted(obs_spec)} of obs_spec; got {got}",
-                            PROTOCOL_HINT)
+        raise ProtocolError(f"{field} must have the keys {sorted(obs_spec)} of obs_spec; got {got}")
     for key, (shape, dtype) in obs_spec.items():
         array = obs[key]
         if not (isinstance(array, np.ndarray) and array.dtype == dtype
