@@ -11,12 +11,15 @@ The sections, in file order:
   1. Wire format   2. State types   3. Registries   4. Policies   5. Algorithms
   6. Server        7. Environment client            8. Command line
 
-A first reading follows one frame, from the client's observation to the algorithm and back:
-  - 2 and 5: the contract (state types, BaseAlgorithm, the dummy algorithm, then pg);
-  - 6 up to "Input checks": the server loop (control_loop, infer_waiting, route_feedback);
-  - the end of 7: the client's rollout loop (run_episodes).
-A first reading skips the byte layout of section 1, the input checks at the end of 6, the
-physics of the environments, the executors' details and the command line (8).
+A first reading (about 700 lines; README.md has the line numbers) follows one frame from the
+client's observation to the algorithm and back:
+  - 2. State types, then 5. Algorithms: BaseAlgorithm (the contract), DummyAlgorithm, PG;
+  - 6. Server: the in-flight data, then Server.control_loop, infer_waiting, route_feedback,
+    learn_once and write_metrics;
+  - 7. the client's rollout loop, run_episodes.
+It skips the byte layout of 1, the registries, the policies' networks, the wire side of the
+server (handle_client, accept), the input checks at the end of 6, the environments' physics,
+the executors of a decision, and the command line (8).
 """
 
 import abc
@@ -381,12 +384,13 @@ class DummyPolicy(BaseTorchPolicy):
 
     def sample(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A reparameterized action in (-1, 1) and its log-probability [B] (what sac trains)."""
-        gaussian = self.distribution(state)
-        u = gaussian.rsample()
-        action = torch.tanh(u)
-        # The density of a = tanh(u) is the density of u over |da/du| = 1 - tanh(u)^2.
-        log_prob = gaussian.log_prob(u) - torch.log(1 - action.pow(2) + 1e-6).sum(-1)
-        return action, log_prob
+        mean, log_std = self(state)
+        noise = torch.randn_like(mean)
+        action = torch.tanh(mean + log_std.exp() * noise)
+        # log N(u) written out (the plain form, self.distribution(state).log_prob(u), costs sac
+        # a tenth of its update), minus log |d tanh(u)/du| = log(1 - tanh(u)^2).
+        log_prob = -0.5 * noise.pow(2) - log_std - 0.5 * math.log(2 * math.pi)
+        return action, (log_prob - torch.log(1 - action.pow(2) + 1e-6)).sum(-1)
 
     @torch.inference_mode()
     def get_action_and_runtime_state(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
@@ -487,9 +491,10 @@ class BaseAlgorithm(abc.ABC):
         return self.policy.get_action_and_runtime_state(obs)
 
     def derive_train_state(self, runtime_state: PolicyRuntimeState) -> PolicyTrainState:
-        """Keep what learning needs of a runtime state; it comes back as feedback(train_state=).
+        """Keep what learning will need of a runtime state (pg: the sample each action came from).
 
-        It runs once per infer batch, right after infer, so per-frame work is done batched.
+        It runs once per infer batch, right after infer; each environment's row comes back as
+        feedback(train_state=), so a buffer stores that, not the whole runtime state.
         """
         return None
 
@@ -503,10 +508,12 @@ class BaseAlgorithm(abc.ABC):
                  prev_node: tuple) -> tuple[tuple, int, dict]:
         """Store one frame: obs, the action drawn for it (runtime_state), reward and next_obs.
 
-        terminated/truncated are the flags of this environment's previous frame: true means this
-        frame begins an episode. next_terminated/next_truncated are this transition's own.
-        prev_node is what feedback returned for this environment's previous stored frame, or
-        (-1, "") when there is none to link to. Returns (node of this frame, global_step, log).
+        terminated/truncated are the flags of this environment's previous frame, because they
+        say what obs is: true means this frame begins an episode (obs is a reset observation),
+        so nothing before it belongs to its trajectory. next_terminated/next_truncated are this
+        transition's own. prev_node is a handle that links an environment's stored frames into
+        a trajectory: the node feedback returned for its previous stored frame, or (-1, "") when
+        there is none. Returns (this frame's node, global_step, log_dict).
         """
         raise NotImplementedError(f"{type(self).__name__}.feedback: store the frame and return "
                                   "(prev_node, global_step, log_dict)")
@@ -676,6 +683,7 @@ class PG(BaseAlgorithm):
         hidden = config.value_hidden_size
         self.value = nn.Sequential(nn.Linear(math.prod(obs_shape), hidden), nn.Tanh(),
                                    nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+        self.policy_optimizer = self.value_optimizer = None  # built by init_optimizers()
 
     def init_optimizers(self) -> None:
         self.policy_optimizer = torch.optim.Adam(self.policy.parameters(), self.config.policy_lr)
@@ -939,6 +947,7 @@ class Server:
         """Turn a checked message into a queued item, and move its environments' state on."""
         kind, env_ids = check_message(message, self.obs_spec)
         if kind == "infer":
+            # The plain form, conn.slots.setdefault(i, EnvSlot()), builds a slot at every call.
             slots = [conn.slots[i] if i in conn.slots else conn.slots.setdefault(i, EnvSlot())
                      for i in env_ids]
             for i, slot in zip(env_ids, slots):
@@ -960,10 +969,9 @@ class Server:
         m = len(slots)
         reward = message["reward"]
         rewards = reward.tolist() if reward.ndim == 1 else list(reward)  # floats, or [k] rows
-        info = message.get("info", {})
         return FeedbackMessage(conn, env_ids, slots, steps, split_rows(message["obs"], m), rewards,
                                message["terminated"].tolist(), message["truncated"].tolist(),
-                               split_rows(info, m) if info else [{} for _ in range(m)])
+                               split_rows(message.get("info", {}), m))
 
     def check_token(self, connection, request):
         """Refuse, at the handshake, a client without the run's token (HTTP 401)."""
@@ -1118,9 +1126,13 @@ class Server:
         self.discarded = 0
         line = {"event": event, "step": self.global_step, "time": round(elapsed, 3), **log}
         self.metrics_file.write(json.dumps(line) + "\n")
-        if self.tensorboard is not None:
+        # TensorBoard draws curves: it gets the lines with news for one (episodes that ended, or
+        # train/* values), and rollout/* only when episodes ended (else a 0 would be drawn).
+        news = log.get("rollout/episodes") or any(key.startswith("train/") for key in log)
+        if self.tensorboard is not None and news:
             for key, value in log.items():
-                if isinstance(value, (int, float)):
+                drawn = log.get("rollout/episodes") or not key.startswith("rollout/")
+                if drawn and isinstance(value, (int, float)):
                     self.tensorboard.add_scalar(key, value, self.global_step)
         if log.get("rollout/episodes"):
             self.last_log = log
@@ -1187,8 +1199,8 @@ class Server:
             print("\nstopped again: exiting now, without a final checkpoint", file=sys.stderr,
                   flush=True)
             os._exit(130)
-        print("\nstopping: the learn in progress ends, then a final checkpoint "
-              "(press Ctrl-C again to quit without one)", file=sys.stderr, flush=True)
+        print("\nstopping: a final checkpoint once the learn in progress (if any) ends; "
+              "Ctrl-C again quits without one", file=sys.stderr, flush=True)
         self.request_stop()
         # The final save runs on this thread; a plain handler still runs between its lines.
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -1460,7 +1472,7 @@ class VecEnv:
 class DummyEnv(VecEnv):
     """dummy-v1: a point on [-1, 1] moves by 0.2 a toward a target. obs [x, target, target - x]."""
 
-    max_steps = 50  # a success ends it sooner; random actions score about -29, a good policy -3
+    max_steps = 50  # a success ends it sooner. Random actions score about -27.5, a good policy -1.5
 
     def __init__(self, num_envs, seed=None):
         self.x, self.target = np.zeros((2, num_envs))
@@ -1803,7 +1815,7 @@ async def run_episodes(ws, executor, num_episodes: int, tally: dict) -> None:
     closed_loop = isinstance(executor, ClosedLoopMultiAction)
     check_metadata(unpack_message(await ws.recv()), executor, closed_loop)
     env_indices = np.arange(executor.env.num_envs, dtype=np.int64)
-    while len(tally["returns"]) < num_episodes:
+    while num_episodes == 0 or len(tally["returns"]) < num_episodes:  # 0: until the run ends
         infer = {"message_type": "infer", "env_indices": env_indices, "obs": executor.obs}
         await ws.send(pack_message(infer))
         reply = unpack_message(await ws.recv())
@@ -1893,7 +1905,7 @@ async def run_env_client(args) -> int:
         try:
             async with ws:
                 await run_episodes(ws, executor, args.num_episodes, tally)
-            ending = f"finished {len(tally['returns'])} episodes"
+            ending = "done"
         except websockets.ConnectionClosed as closed:
             reason = closed.rcvd.reason if closed.rcvd else ""
             if reason.startswith(SERVER_FAILED):
@@ -1905,8 +1917,8 @@ async def run_env_client(args) -> int:
     seconds = time.perf_counter() - start
     returns = tally["returns"]
     mean_return = float(np.mean(returns)) if returns else float("nan")
-    print(f"{ending}: {len(returns)} episodes, mean return {mean_return:.2f}, "
-          f"{tally['env_steps']} env steps, {tally['decisions']} decisions, {seconds:.1f} s, "
+    print(f"{ending} | episodes {len(returns)} | mean return {mean_return:.2f} | "
+          f"env steps {tally['env_steps']} | decisions {tally['decisions']} | {seconds:.1f} s | "
           f"{tally['env_steps'] / max(seconds, 1e-9):.0f} env steps/s", flush=True)
     if args.summary_json:
         with open(args.summary_json, "w") as file:
@@ -2061,7 +2073,7 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
 
     def start_clients(port: int) -> None:
         client_args = ["env-client", local_env or "ENV_ID", "--server-port", str(port),
-                       "--num-envs", str(args.local_num_envs), "--num-episodes", str(10**9),
+                       "--num-envs", str(args.local_num_envs), "--num-episodes", "0",
                        *[flag for module in plugins for flag in ("--plugin", module)]]
         if not args.local_env_clients:
             print("no env clients yet: start one in another terminal with\n"
@@ -2095,7 +2107,8 @@ def env_client_main(argv: list[str]) -> int:
     add("env_id", help=f"one of {', '.join(ENVIRONMENTS)}, or gym:ENV_ID")
     add("--server-host", default="127.0.0.1")
     add("--server-port", type=int, default=8000)
-    add("--num-episodes", type=int, default=1, help="stop after this many finished episodes")
+    add("--num-episodes", type=int, default=1,
+        help="stop after this many finished episodes (0: when the server ends the run)")
     add("--num-envs", type=int, default=1, help="environments stepped together")
     add("--seed", type=int, help="seeds the environments")
     add("--summary-json", help="write the summary here as one JSON object")
@@ -2107,8 +2120,8 @@ def env_client_main(argv: list[str]) -> int:
     add("--reward-aggregation", default="sum", choices=REWARD_AGGREGATIONS)
     add("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES)
     args = parser.parse_args(argv)
-    if args.num_envs < 1 or args.num_episodes < 1:
-        parser.error("--num-envs and --num-episodes must be at least 1")
+    if args.num_envs < 1 or args.num_episodes < 0:
+        parser.error("--num-envs must be at least 1 and --num-episodes at least 0")
     try:
         return asyncio.run(run_env_client(args))
     except (SystemExit, ValueError) as error:  # SystemExit(message): a clear stop, with its reason

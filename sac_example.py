@@ -163,6 +163,7 @@ class SAC(BaseAlgorithm):
         start = 0.0 if config.autotune else math.log(config.alpha)
         self.log_alpha = torch.tensor([start], requires_grad=config.autotune)
         self.last = {}  # the newest loss tensors; read as floats every log_every updates only
+        self.q_optimizer = self.actor_optimizer = None  # built by init_optimizers()
 
     def init_optimizers(self) -> None:
         """Adam, as CleanRL: one for the critics, one for the actor with log alpha as a group."""

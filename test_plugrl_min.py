@@ -1329,7 +1329,7 @@ def test_the_pages_template_runs_as_a_plugin_until_global_steps(tmp_path, launch
         args = ["-c", "import your_module; from plugrl_min import main; main()", *words]
     with Background(tmp_path, "server", args, pythonpath=tmp_path) as server:
         client = python("plugrl_min.py", "env-client", "dummy-v1", "--server-port", str(server.port()),
-                        "--num-episodes", "1000000", "--num-envs", "4")
+                        "--num-episodes", "0", "--num-envs", "4")
         status = server.wait(60)
     assert status == 0, server.stderr()
     assert "run finished: global step 400" in server.stdout()
@@ -1371,7 +1371,7 @@ def dummy_run(tmp_path_factory):
                                     "--algo.global-steps", "2000", *DUMMY_FLAGS, "--port", "0",
                                     "--run-dir", str(run_dir)]) as server:
         with Background(tmp, "client", ["plugrl_min.py", "env-client", "dummy-v1", "--server-port",
-                                        str(server.port()), "--num-episodes", "1000000", "--num-envs", "4",
+                                        str(server.port()), "--num-episodes", "0", "--num-envs", "4",
                                         "--summary-json", str(summary)]) as client:
             server_status = server.wait(60)
             client_status = client.wait(60)
@@ -2978,7 +2978,7 @@ def endless_server(tmp_path, *flags):
 def test_sigint_stops_a_server_that_learns_again_and_again_with_a_final_checkpoint(tmp_path):
     with endless_server(tmp_path) as server:
         port = server.port()
-        with Background(tmp_path, "client", env_client_args(port, "--num-episodes", "1000000")) as client:
+        with Background(tmp_path, "client", env_client_args(port, "--num-episodes", "0")) as client:
             wait_for(lambda: metrics_lines(tmp_path / "run") >= 5, 60, "the server learning again and again")
             server.proc.send_signal(signal.SIGINT)
             status = server.wait(20)
@@ -2992,7 +2992,7 @@ def test_sigint_stops_a_server_that_learns_again_and_again_with_a_final_checkpoi
 def test_a_second_sigint_during_a_slow_final_save_exits_at_once_without_a_checkpoint(tmp_path):
     with endless_server(tmp_path, "--algo.save-seconds", "60") as server:
         port = server.port()
-        with Background(tmp_path, "client", env_client_args(port, "--num-episodes", "1000000")):
+        with Background(tmp_path, "client", env_client_args(port, "--num-episodes", "0")):
             wait_for(lambda: metrics_lines(tmp_path / "run") >= 1, 60, "a learn")
             server.proc.send_signal(signal.SIGINT)
             wait_for(lambda: "saving" in server.stdout(), 20, "the final save to begin")
@@ -3035,7 +3035,7 @@ class HoldsTheLateClient(plugrl_min.Server):
 async def env_client(port):
     """A real env client process: (exit status, its output)."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, *env_client_args(port, "--num-episodes", "1000000"), cwd=HERE,
+        sys.executable, *env_client_args(port, "--num-episodes", "0"), cwd=HERE,
         env=subprocess_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     output, _ = await asyncio.wait_for(process.communicate(), 60)
     return process.returncode, output.decode()
@@ -3115,7 +3115,7 @@ def test_env_client_waits_for_a_server_that_is_not_up_yet(tmp_path, capsys):
 
     waited, status = asyncio.run(main())
     assert waited and status == 0
-    assert "finished 2 episodes" in capsys.readouterr().out
+    assert "done | episodes 2 |" in capsys.readouterr().out
 
 
 def test_env_client_gives_a_clear_error_when_no_server_comes_within_connect_timeout(capsys):
@@ -3269,7 +3269,7 @@ class FailsInLearn(DummyAlgorithm):
 def test_an_algorithm_that_raises_in_learn_exits_1_and_its_client_exits_saying_the_server_failed(tmp_path):
     write_plugin(tmp_path, "fails_in_learn", FAILS_IN_LEARN)
     port, run_dir = reserve_port(), tmp_path / "run"
-    with Background(tmp_path, "client", env_client_args(port, "--num-episodes", "1000000",
+    with Background(tmp_path, "client", env_client_args(port, "--num-episodes", "0",
                                                         "--connect-timeout", "30")) as client:
         with Background(tmp_path, "server", ["plugrl_min.py", "dummy-policy", "default", "fails-in-learn", "default",
                                              "--port", str(port), "--run-dir", str(run_dir), "--plugin",
@@ -3471,7 +3471,7 @@ def test_env_clients_without_the_servers_token_exit_nonzero_and_with_it_train(tm
     assert statuses[0] != 0
     assert "env-client: the server refused the connection (HTTP 401): wrong or missing --token?" in without.stderr()
     assert statuses[1:] == [0, 0], flag.stderr() + environment.stderr()
-    assert "finished 2 episodes" in flag.stdout() and "finished 2 episodes" in environment.stdout()
+    assert "done | episodes 2 |" in flag.stdout() and "done | episodes 2 |" in environment.stdout()
 
 
 def serve_on_a_taken_port(host, tmp_path, capsys, monkeypatch, token=None) -> str:
@@ -3631,10 +3631,10 @@ def test_a_client_killed_mid_segment_never_stalls_pg(tmp_path):
                                          *PG_FLAGS, "--algo.global-steps", "1000", "--port", "0",
                                          "--run-dir", str(run_dir)]) as server:
         port = server.port()
-        with Background(tmp_path, "doomed", env_client_args(port, "--num-episodes", "1000000", "--num-envs",
+        with Background(tmp_path, "doomed", env_client_args(port, "--num-episodes", "0", "--num-envs",
                                                                "3")) as doomed:
             wait_for(lambda: metrics_lines(run_dir) >= 2, 60, "two learns with both clients")
-            with Background(tmp_path, "other", env_client_args(port, "--num-episodes", "1000000")) as other:
+            with Background(tmp_path, "other", env_client_args(port, "--num-episodes", "0")) as other:
                 wait_for(lambda: metrics_lines(run_dir) >= 3, 60, "a learn with both clients")
                 doomed.proc.kill()  # mid-segment: its environments owe feedback, their chains are open
                 status = server.wait(120)
@@ -3715,7 +3715,7 @@ def serve_and_run_client(tmp_path, policy_words, client_args, steps="200"):
     with Background(tmp_path, "server", ["plugrl_min.py", *policy_words, "dummy", "default", "--port", "0",
                                          "--algo.global-steps", steps, "--run-dir", str(tmp_path / "run")]) as server:
         client = python("plugrl_min.py", "env-client", *client_args, "--server-port", str(server.port()),
-                        "--num-episodes", "1000000")
+                        "--num-episodes", "0")
         if client.returncode != 0:
             server.proc.terminate()
         status = server.wait(60)
@@ -3747,7 +3747,7 @@ def test_a_client_whose_action_space_differs_stops_naming_both(tmp_path, policy_
                                          "--port", "0", "--algo.global-steps", "50",
                                          "--run-dir", str(tmp_path / "run")]) as server:
         client = python("plugrl_min.py", "env-client", env_id, "--server-port", str(server.port()),
-                        "--num-episodes", "1000000")
+                        "--num-episodes", "0")
     if server_space is None:
         assert client.returncode == 0, client.stderr
         return
@@ -3818,7 +3818,7 @@ def test_a_plugins_environment_runs_in_the_env_client_by_its_id(tmp_path):
                                          "--port", "0", "--algo.global-steps", "100",
                                          "--run-dir", str(tmp_path / "run")]) as server:
         client = python("plugrl_min.py", "env-client", "my-line-v0", "--plugin", "my_env", "--server-port",
-                        str(server.port()), "--num-episodes", "1000000", pythonpath=tmp_path)
+                        str(server.port()), "--num-episodes", "0", pythonpath=tmp_path)
         status = server.wait(60)
     assert status == 0 and client.returncode == 0, client.stderr
     assert read_metrics(tmp_path / "run", event="end")[0]["rollout/length"] == 20
@@ -3850,7 +3850,7 @@ def short_dummy_run(tmp_path, *flags):
                   "--local-num-envs", "4", "--run-dir", str(tmp_path / "run"), *flags)
 
 
-def test_tensorboard_event_files_hold_the_rollout_reward_of_every_learn(tmp_path):
+def test_tensorboard_event_files_hold_the_curves_of_the_run(tmp_path):
     pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install tensorboard)")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -3858,8 +3858,9 @@ def test_tensorboard_event_files_hold_the_rollout_reward_of_every_learn(tmp_path
     events = EventAccumulator(str(tmp_path / "run"))
     events.Reload()
     rewards = [event.value for event in events.Scalars("rollout/reward")]
-    lines = read_metrics(tmp_path / "run", event=None)
-    assert rewards == pytest.approx([line["rollout/reward"] for line in lines])
+    lines = [line for line in read_metrics(tmp_path / "run", event=None) if line["rollout/episodes"]]
+    assert len(lines) >= 4 and rewards == pytest.approx([line["rollout/reward"] for line in lines])
+    assert len(events.Scalars("train/learns")) == 4
 
 
 def test_without_tensorboard_the_run_is_the_same_and_says_nothing_of_it(tmp_path, monkeypatch, capsys):
@@ -4038,21 +4039,23 @@ def test_a_server_started_alone_says_how_to_start_a_client(tmp_path):
 # The wire protocol of README.md: its standalone client, every field of every message, dtypes
 # =============================================================================================
 
-README = os.path.join(HERE, "README.md")
+def readme() -> str:
+    with open(os.path.join(HERE, "README.md")) as file:
+        return file.read()
+
+
+def readme_block(after: str, nth: int = 0) -> str:
+    """The nth ``` block that opens after the first place README.md says `after`."""
+    text = readme()
+    blocks = [(block.start(), block.group(1))
+              for block in re.finditer(r"^```[a-z]*\n(.*?)^```$", text, re.M | re.S)]
+    return [body for start, body in blocks if start > text.index(after)][nth]
+
+
+STANDALONE_CLIENT = "### A standalone client in numpy and websockets"
 
 
 # --- The README's standalone client, extracted and run against a real server to its end -----
-
-def readme_code_after(heading_words: str, path: str = README) -> str:
-    """The first ```python block after the first heading of `path` that contains heading_words."""
-    with open(path) as file:
-        text = file.read()
-    heading = re.search(rf"^#+ .*{re.escape(heading_words)}.*$", text, re.M | re.I)
-    assert heading, f"{path} has no heading containing {heading_words!r}"
-    block = re.compile(r"^```python\n(.*?)^```", re.M | re.S).search(text, heading.end())
-    assert block, f"{path} has no python code block after {heading.group(0)!r}"
-    return block.group(1)
-
 
 def private_memory_mb(pid) -> float:
     """USS: the memory only this process holds (Private_Clean + Private_Dirty of smaps_rollup)."""
@@ -4068,7 +4071,7 @@ def standalone_run(tmp_path_factory):
     ends the run. Its memory is sampled every 20 ms while it runs."""
     tmp_path = tmp_path_factory.mktemp("standalone")
     script = tmp_path / "client.py"
-    script.write_text(readme_code_after("standalone client"))
+    script.write_text(readme_block(STANDALONE_CLIENT, nth=1))
     run_dir = tmp_path / "run"
     with Background(tmp_path, "server", ["plugrl_min.py", "dummy-policy", "default", "dummy",
                                          "default", "--port", "0", "--algo.global-steps", "2000",
@@ -4345,7 +4348,7 @@ def start_server(*flags, run_dir, env=None):
 def run_client(env_id, port, summary, seed=0):
     """One env client until the server ends the run; returns its summary JSON."""
     client = subprocess.run([sys.executable, "plugrl_min.py", "env-client", env_id, "--server-port", port,
-                             "--seed", str(seed), "--num-episodes", "1000000", "--summary-json", str(summary)],
+                             "--seed", str(seed), "--num-episodes", "0", "--summary-json", str(summary)],
                             cwd=HERE, capture_output=True, text=True, timeout=300)
     assert client.returncode == 0, client.stderr
     with open(summary) as file:
@@ -4413,7 +4416,7 @@ def test_sac_server_trains_to_the_end_with_a_stacking_closed_loop_client(tmp_pat
     server, port, _ = start_server("--algo.global-steps", "300", "--algo.learning-starts", "100",
                                    "--algo.batch-size", "32", run_dir=tmp_path / "run", env=ONE_THREAD)
     client = subprocess.run([sys.executable, "plugrl_min.py", "env-client", "pendulum-v1", "--server-port", port,
-                             "--num-episodes", "1000000", "--closed-loop-steps", "3", "--controller", "track",
+                             "--num-episodes", "0", "--closed-loop-steps", "3", "--controller", "track",
                              "--reward-aggregation", "stack"], cwd=HERE, capture_output=True, text=True, timeout=120)
     assert client.returncode == 0, client.stderr
     assert "run finished: global step 300" in finish(server)
@@ -4578,6 +4581,119 @@ def test_gym_environment_without_gymnasium_says_which_package_to_install(monkeyp
 
 
 # =============================================================================================
+# README.md: every command it shows runs as shown, and prints what it shows
+# =============================================================================================
+
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+
+
+def shape_of(line: str) -> str:
+    """A line with its numbers and the lengths of its bars left out: the text that must match."""
+    return re.sub(r"#+", "#", NUMBER.sub("N", line.rstrip()))
+
+
+def assert_prints_as_shown(shown: str, printed: str) -> None:
+    """Every line the README shows appears in what was printed, in the same order; numbers (times,
+    rates, rewards) may differ, and so may the progress lines a fast machine never prints."""
+    printed_shapes = [shape_of(line) for line in printed.splitlines()]
+    position = 0
+    for line in shown.splitlines():
+        if not line.strip() or line.strip() == "..." or line.startswith(("$ ", "^C", "step ")):
+            continue
+        assert shape_of(line) in printed_shapes[position:], f"not printed, in order: {line!r}\n{printed}"
+        position = printed_shapes.index(shape_of(line), position) + 1
+
+
+def readme_command(after: str) -> list[str]:
+    """The first `python plugrl_min.py ...` command of the block after `after`, as arguments."""
+    command = next(line for line in readme_block(after).splitlines() if line.startswith("python plugrl_min.py"))
+    return command.split()[1:]
+
+
+def in_a_test(words: list[str], tmp_path) -> list[str]:
+    """A README server command on a free port, writing to a temporary run directory."""
+    return [*words, "--port", "0", "--run-dir", str(tmp_path / "run")]
+
+
+def test_the_readme_reading_map_gives_the_files_line_ranges():
+    with open(SOURCE) as file:
+        lines = file.read().splitlines()
+    rows = re.findall(r"^\| (\d+)-(\d+) \| (.+) \| (first|later|skim) \|$", readme(), re.M)
+    assert rows and int(rows[0][0]) == 1 and int(rows[-1][1]) == len(lines)
+    for (_, end, what, _), (start, *_) in zip(rows, rows[1:]):
+        assert int(start) == int(end) + 1, what  # the rows cover the file, in order
+    for start, _, what, _ in rows[1:]:
+        first_line = lines[int(start) - 1]
+        section = re.match(r"(\d+)\. ", what)
+        name = re.match(r"`(\w+)`", what)
+        if section:
+            assert first_line.startswith(f"# ===== {section.group(1)}."), (start, what)
+        elif name:  # a definition, maybe under its decorators
+            body = next(line for line in lines[int(start) - 1:] if not line.lstrip().startswith("@"))
+            assert re.match(rf"\s*(class|def|async def) {name.group(1)}\b", body), (start, what)
+        else:
+            assert first_line.startswith("# ---"), (start, what)
+    first = sum(int(end) - int(start) + 1 for start, end, _, read in rows if read == "first")
+    assert first <= 700 and f"about {first} lines" in readme()
+
+
+def test_the_readme_quickstart_trains_and_prints_what_it_shows(tmp_path):
+    words = readme_command("## Quickstart")
+    result = python(*in_a_test(words, tmp_path), timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert_prints_as_shown(readme_block("The quickstart, on two cores"), result.stdout)
+    shown_line = json.loads(readme_block("A line of the quickstart's `metrics.jsonl`"))
+    learns = read_metrics(tmp_path / "run")
+    assert learns[-1].keys() == shown_line.keys()
+    assert np.mean([line["rollout/reward"] for line in learns[-10:]]) > -5  # it learned
+
+
+def test_the_readme_smoke_test_prints_what_it_shows(tmp_path):
+    server_words = readme_command("The smoke test of the PlugRL page")
+    client_words = next(line for line in readme_block("The smoke test of the PlugRL page").splitlines()
+                        if "env-client" in line).split()[1:]
+    with Background(tmp_path, "server", in_a_test(server_words, tmp_path)) as server:
+        port = str(server.port())
+        client = python(*[port if word == "8000" else word for word in client_words])
+        wait_for(lambda: "--local-env-clients 1" in server.stdout(), 10, "the server's hint")
+        server.proc.send_signal(signal.SIGINT)
+        assert server.wait(30) == 0 and client.returncode == 0
+    shown = readme_block("Terminal 1, the server").replace("8000", port)
+    assert_prints_as_shown(shown, server.stdout() + server.stderr())
+    assert_prints_as_shown(readme_block("Terminal 2, the client"), client.stdout)
+
+
+def test_the_readme_trace_prints_what_it_shows(tmp_path):
+    words = readme_command("Watch it happen")
+    result = python(*in_a_test(words, tmp_path), "--algo.global-steps", "400", timeout=120)
+    assert result.returncode == 0, result.stderr
+    shown = readme_block("Watch it happen", nth=1)
+    trace = "\n".join(line for line in result.stdout.splitlines() if line.startswith("trace:"))
+    assert_prints_as_shown(shown, trace)
+    assert len(shown.splitlines()) == len(trace.splitlines())
+
+
+def test_the_readme_own_environment_trains_as_shown(tmp_path):
+    write_plugin(tmp_path, "my_env", readme_block("## Your own environment"))
+    words = readme_command("import numpy as np\nfrom plugrl_min import VecEnv, register_env")
+    result = python(*in_a_test(words, tmp_path), pythonpath=tmp_path, timeout=180)
+    assert result.returncode == 0, result.stderr
+    rewards = [line["rollout/reward"] for line in read_metrics(tmp_path / "run") if line["rollout/episodes"]]
+    assert np.mean(rewards[-5:]) > np.mean(rewards[:3]) + 1  # it learned to reach 0
+
+
+@pytest.mark.parametrize("nth", [0, 1], ids=["dummy-v1 and track", "counting-v1 and pass-through"])
+def test_the_readme_closed_loop_commands_run(tmp_path, nth):
+    server_words, client_words = [line.split()[1:] for line in
+                                  readme_block("## One decision, several physical steps", nth).splitlines()]
+    with Background(tmp_path, "server", in_a_test(server_words, tmp_path)) as server:
+        client = python(*client_words, "--server-port", str(server.port()))
+        server.proc.send_signal(signal.SIGINT)
+        assert server.wait(30) == 0
+    assert client.returncode == 0 and "done | episodes" in client.stdout, client.stderr
+
+
+# =============================================================================================
 # Benchmarks, opt-in: PLUGRL_BENCH=1 python -m pytest test_plugrl_min.py -k bench -s
 # =============================================================================================
 # They print tables (the README quotes them) and take minutes; a normal test run skips them.
@@ -4614,7 +4730,7 @@ def sac_seed(seed: int, steps: int, folder) -> dict:
                                "--run-dir", str(folder / f"seed{seed}")], cwd=HERE, stdout=subprocess.DEVNULL)
     try:
         client = python("plugrl_min.py", "env-client", "pendulum-v1", "--server-port", port, "--seed", str(seed),
-                        "--num-episodes", "1000000", "--summary-json", str(folder / f"seed{seed}.json"),
+                        "--num-episodes", "0", "--summary-json", str(folder / f"seed{seed}.json"),
                         "--connect-timeout", "60", timeout=3600)
         assert client.returncode == 0, client.stderr
         assert server.wait(60) == 0
@@ -4825,3 +4941,47 @@ def test_bench_throughput_against_the_protocols_floor(tmp_path):
     short += ["memory"] if ratios["memory"] > bars["memory"] else []
     short += [name for name in ratios if name.startswith("codec") and ratios[name] > bars["codec"]]
     print("all bars hold" if not short else f"short of the bar: {', '.join(short)}")
+
+
+# --- What a client process costs: the built-in env client against the README's standalone one ---
+
+def client_cost(command, folder) -> tuple[float, float]:
+    """(seconds from its start to its first infer, its peak private memory in MB while it runs)
+    of one client process, command(port), against an in-process server."""
+    noted = {}
+
+    class NotesTheFirstInfer(Probe):
+        def infer(self, obs):
+            noted.setdefault("first infer", time.perf_counter())
+            return super().infer(obs)
+
+    async def script(port, server):
+        started = time.perf_counter()
+        process = subprocess.Popen(command(port), cwd=HERE, env=subprocess_env(),
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        await eventually(lambda: "first infer" in noted, 60)
+        peak = 0.0
+        for _ in range(20):  # two seconds of running
+            await asyncio.sleep(0.1)
+            peak = max(peak, private_memory_mb(process.pid))
+        process.kill()
+        process.wait()
+        return noted["first infer"] - started, peak
+
+    return run_server(NotesTheFirstInfer(), folder, script, timeout=120)[1]
+
+
+@bench
+def test_bench_what_a_client_process_costs(tmp_path):
+    script = tmp_path / "client.py"
+    script.write_text(readme_block(STANDALONE_CLIENT, nth=1))
+    clients = {"plugrl_min.py env-client dummy-v1 --num-envs 4": lambda port: [
+                   sys.executable, "plugrl_min.py", "env-client", "dummy-v1", "--num-envs", "4",
+                   "--num-episodes", "0", "--server-port", str(port)],
+               "the README's standalone client": lambda port: [
+                   sys.executable, str(script), str(port), "1000000"]}
+    for name, command in clients.items():
+        costs = [client_cost(command, tmp_path / f"{len(name)}-{i}") for i in range(3)]
+        startups = sorted(cost[0] for cost in costs)
+        print(f"{name:48s} start-up to its first infer {startups[1]:.2f} s (median of 3) | "
+              f"private memory (USS) {max(cost[1] for cost in costs):.0f} MB")
