@@ -3698,6 +3698,16 @@ def test_cartpole_v1_truncates_after_500_steps_as_a_success():
     assert info["episode"]["l"][0] == 500 and info["episode"]["s"][0]
 
 
+def test_dummy_policy_keeps_the_sample_its_action_came_from_and_that_samples_log_prob():
+    policy = make_policy("dummy-policy", plugrl_min.DummyPolicyConfig(action_horizon=2))
+    state = np.random.default_rng(0).standard_normal((5, 3)).astype(np.float32)
+    action, runtime_state = policy.get_action_and_runtime_state({"state": state})
+    assert action.dtype == np.float32 and action.shape == (5, 2, 1)
+    np.testing.assert_allclose(action.reshape(5, 2), np.tanh(runtime_state["sample"]), rtol=1e-6)
+    expected = policy.distribution(torch.from_numpy(state)).log_prob(torch.from_numpy(runtime_state["sample"]))
+    np.testing.assert_allclose(runtime_state["log_prob"], expected.detach().numpy(), rtol=1e-5)
+
+
 def test_categorical_policy_sends_int64_indices_n_h_1_and_keeps_its_sample_and_log_prob():
     policy = make_policy("categorical-policy", variant="cartpole")
     action, runtime_state = policy.get_action_and_runtime_state({"state": np.zeros((5, 4), np.float32)})
