@@ -3155,7 +3155,7 @@ def test_env_client_reconnects_after_a_server_restart_and_finishes(tmp_path):
             second_status = second.wait(30)
     assert alive_between and client_status == 0, client.stdout() + client.stderr()
     assert "reconnecting" in client.stderr()
-    assert int(re.search(r"finished (\d+) episodes", client.stdout()).group(1)) >= 150  # 4 envs may overshoot
+    assert int(re.search(r"done \| episodes (\d+)", client.stdout()).group(1)) >= 150  # 4 envs may overshoot
     assert "refused" not in client.stderr()  # the new server was never sent feedback for an action it did not give
     assert second_status == 0 and metrics_lines(tmp_path / "second") >= 1, second.stdout() + second.stderr()
 
@@ -4039,7 +4039,7 @@ def test_a_server_started_alone_says_how_to_start_a_client(tmp_path):
         out = server.stdout()
         command = re.search(r"^  (python plugrl_min\.py env-client .*)$", out, re.MULTILINE).group(1)
         assert command == (f"python plugrl_min.py env-client cartpole-v1 --server-port {port} --num-envs 1 "
-                           "--num-episodes 1000000000")
+                           "--num-episodes 0")  # 0: until the server ends the run
         client = python(*command.split()[1:-2], "--num-episodes", "2")  # the command as printed, shorter
     assert client.returncode == 0, client.stderr
     assert "or run this server with --local-env-clients 1 to do both in one command" in out
@@ -4598,8 +4598,8 @@ NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
 
 
 def shape_of(line: str) -> str:
-    """A line with its numbers and the lengths of its bars left out: the text that must match."""
-    return re.sub(r"#+", "#", NUMBER.sub("N", line.rstrip()))
+    """A line without its numbers, the lengths of its bars and its alignment: what must match."""
+    return " ".join(re.sub(r"#+", "#", NUMBER.sub("N", line)).split())
 
 
 def assert_prints_as_shown(shown: str, printed: str) -> None:
@@ -4668,8 +4668,10 @@ def test_the_readme_smoke_test_prints_what_it_shows(tmp_path):
         wait_for(lambda: "--local-env-clients 1" in server.stdout(), 10, "the server's hint")
         server.proc.send_signal(signal.SIGINT)
         assert server.wait(30) == 0 and client.returncode == 0
-    shown = readme_block("Terminal 1, the server").replace("8000", port)
-    assert_prints_as_shown(shown, server.stdout() + server.stderr())
+    shown = readme_block("Terminal 1, the server")
+    stop_line = next(line for line in shown.splitlines() if line.startswith("stopping:"))
+    assert_prints_as_shown(shown.replace(stop_line, ""), server.stdout())
+    assert_prints_as_shown(stop_line, server.stderr())  # Ctrl-C's answer goes to stderr
     assert_prints_as_shown(readme_block("Terminal 2, the client"), client.stdout)
 
 
@@ -4884,14 +4886,16 @@ def run_layout(clients, envs, episodes, folder, floor=False) -> dict:
         server.wait()
     results = [json.loads(path.read_text()) for path in summaries]
     steps = sum(result["env_steps"] for result in results)
-    return {"rate": steps / max(result["seconds"] for result in results), "memory_mb": memory}
+    return {"rate": steps / max(result["seconds"] for result in results), "memory_mb": memory,
+            "steps_per_episode": steps / sum(result["episodes"] for result in results)}
 
 
 def layout_pair(clients, envs, seconds, folder):
     """The same work on both servers, sized so the full server runs about `seconds`."""
     probe = run_layout(clients, envs, max(4, 2 * envs), folder)
-    episodes = max(4, int(probe["rate"] * seconds / clients / 50))  # dummy-v1: at most 50 steps
-    return run_layout(clients, envs, episodes, folder), run_layout(clients, envs, episodes, folder, floor=True)
+    episodes = max(4, int(probe["rate"] * seconds / clients / probe["steps_per_episode"]))
+    floor = run_layout(clients, envs, episodes, folder, floor=True)
+    return run_layout(clients, envs, episodes, folder), floor
 
 
 CODEC = '''
