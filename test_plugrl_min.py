@@ -4714,6 +4714,14 @@ bench = pytest.mark.skipif(os.environ.get("PLUGRL_BENCH") != "1",
                            reason="a benchmark: run with PLUGRL_BENCH=1 ... -k bench -s")
 
 
+def test_the_benchmarks_are_skipped_unless_plugrl_bench_is_1():
+    env = {key: value for key, value in subprocess_env().items() if key != "PLUGRL_BENCH"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "test_plugrl_min.py", "-k", "test_bench_"],
+                            cwd=HERE, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout
+    assert "3 skipped" in result.stdout and "run with PLUGRL_BENCH=1" in result.stdout
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
