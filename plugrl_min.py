@@ -1609,7 +1609,8 @@ class GymEnv(VecEnv):
         terminated, success = np.zeros((2, len(rows)), bool)
         for j, i in enumerate(rows):
             if self.num_actions is None:
-                act = self.low + (np.clip(action[j], -1, 1) + 1) / 2 * (self.high - self.low)
+                unit = np.clip(action[j], -1, 1).reshape(self.low.shape)  # a Box of any shape
+                act = self.low + (unit + 1) / 2 * (self.high - self.low)
             else:
                 act = int(action[j, 0]) + self.first_action
             obs, reward[j], terminated[j], _, info = self.envs[i].step(act)
