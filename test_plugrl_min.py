@@ -3869,7 +3869,7 @@ def test_tensorboard_event_files_hold_the_curves_of_the_run(tmp_path):
     events.Reload()
     rewards = [event.value for event in events.Scalars("rollout/reward")]
     lines = [line for line in read_metrics(tmp_path / "run", event=None) if line["rollout/episodes"]]
-    assert len(lines) >= 4 and rewards == pytest.approx([line["rollout/reward"] for line in lines])
+    assert len(lines) >= 2 and rewards == pytest.approx([line["rollout/reward"] for line in lines])
     assert len(events.Scalars("train/learns")) == 4
 
 
