@@ -414,7 +414,7 @@ class DummyPolicy(BaseTorchPolicy):
 @register_policy_config("categorical-policy")
 @dataclasses.dataclass
 class CategoricalPolicyConfig:
-    """Sizes of categorical-policy (discrete actions)."""
+    """Sizes of categorical-policy (discrete actions); the defaults fit cartpole-v1."""
 
     obs_dim: int = 4
     num_actions: int = 2
@@ -424,10 +424,7 @@ class CategoricalPolicyConfig:
 @register_policy_config("categorical-policy", "cartpole")
 @dataclasses.dataclass
 class CartPolePolicyConfig(CategoricalPolicyConfig):
-    """categorical-policy sized for cartpole-v1: 4 observations, 2 actions (push left, right)."""
-
-    obs_dim: int = 4
-    num_actions: int = 2
+    """The defaults (4 observations, 2 actions), named for the command line: `... cartpole`."""
 
 
 @register_policy("categorical-policy")
@@ -1131,13 +1128,14 @@ class Server:
         self.metrics_file.write(json.dumps(line) + "\n")
         # TensorBoard draws curves: it gets the lines with news for one (episodes that ended, or
         # train/* values), and rollout/* only when episodes ended (else a 0 would be drawn).
-        news = log.get("rollout/episodes") or any(key.startswith("train/") for key in log)
+        episodes = log.get("rollout/episodes")
+        news = episodes or any(key.startswith("train/") for key in log)
         if self.tensorboard is not None and news:
             for key, value in log.items():
-                drawn = log.get("rollout/episodes") or not key.startswith("rollout/")
+                drawn = episodes or not key.startswith("rollout/")
                 if drawn and isinstance(value, (int, float)):
                     self.tensorboard.add_scalar(key, value, self.global_step)
-        if log.get("rollout/episodes"):
+        if episodes:
             self.last_log = log
             self.curve.append((self.frames, log["rollout/reward"]))
 
