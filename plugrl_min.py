@@ -11,15 +11,16 @@ The sections, in file order:
   1. Wire format   2. State types   3. Registries   4. Policies   5. Algorithms
   6. Server        7. Environment client            8. Command line
 
-A first reading (about 700 lines; README.md has the line numbers) follows one frame from the
+A first reading (under 700 lines; README.md has the line numbers) follows one frame from the
 client's observation to the algorithm and back:
   - 2. State types, then 5. Algorithms: BaseAlgorithm (the contract), DummyAlgorithm, PG;
-  - 6. Server: the in-flight data, then Server.control_loop, infer_waiting, route_feedback,
-    learn_once and write_metrics;
+  - 6. Server: the in-flight data, Server.accept (where a frame's step state leaves its slot),
+    then control_loop, infer_waiting, route_feedback, learn_once and write_metrics;
   - 7. the client's rollout loop, run_episodes.
-It skips the byte layout of 1, the registries, the policies' networks, the wire side of the
-server (handle_client, accept), the input checks at the end of 6, the environments' physics,
-the executors of a decision, and the command line (8).
+It skips the rest (the byte layout, the networks, the wire side, the input checks, the physics,
+the command line). A second reading adds the learners on several ranks: DDPAlgorithm and PG's
+own hooks (5), Ranks and serve_as_learner (6); then LearnThreads, how a learn's thread count is
+chosen, and report, the figure every table of README.md quotes (6).
 """
 
 import abc
@@ -27,6 +28,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import dataclasses
+import datetime
 import glob
 import hmac
 import importlib
@@ -44,12 +46,15 @@ import typing
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import websockets
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from websockets.asyncio.client import connect
 from websockets.asyncio.server import serve
 
 PROTOCOL_VERSION = 1
+TORCH_THREADS = torch.get_num_threads()  # torch's own count, before the server sets its own
 
 
 # ===== 1. Wire format: one binary WebSocket frame per message, a JSON header, raw array bytes =====
@@ -226,13 +231,27 @@ class Checkpoint:
     meta: dict
 
 
-def slice_rows(tree, rows):
-    """Index every array of a nested dict (or a lone array) along axis 0; None stays None."""
+def map_arrays(function, tree):
+    """function(array) for every array of a nested dict (or a lone array); None stays None."""
     if tree is None:
         return None
     if isinstance(tree, dict):
-        return {key: slice_rows(value, rows) for key, value in tree.items()}
-    return tree[rows]
+        return {key: map_arrays(function, value) for key, value in tree.items()}
+    return function(tree)
+
+
+def slice_rows(tree, rows):
+    """Index every array of a nested dict (or a lone array) along axis 0."""
+    return map_arrays(lambda array: array[rows], tree)
+
+
+def put_rows(tree, rows, values) -> None:
+    """tree[rows] = values, in place, for an array or a nested dict of arrays."""
+    if isinstance(tree, dict):
+        for key in tree:
+            put_rows(tree[key], rows, values[key])
+    else:
+        tree[rows] = values
 
 
 def split_rows(tree, n: int) -> list:
@@ -256,41 +275,39 @@ _POLICY_CONFIGS, _POLICIES, _ALGO_CONFIGS, _ALGOS = {}, {}, {}, {}
 ENVIRONMENTS = {}  # env_id -> VecEnv subclass, for the env client (section 7)
 
 
-def _registrar(table: dict, key, what: str, value):
-    """A class decorator that stores value(cls) under key, once."""
+def _registrar(table: dict, key, what: str, defaults: bool = False):
+    """A class decorator that stores the class (or, for a config, its defaults) under key, once."""
     def decorator(cls):
         if key in table:
             raise ValueError(f"{what} is already registered")
-        table[key] = value(cls)
+        table[key] = cls() if defaults else cls
         return cls
     return decorator
 
 
 def register_policy_config(uid: str, variant: str = "default"):
     """Class decorator: register a policy config dataclass's defaults under (uid, variant)."""
-    return _registrar(_POLICY_CONFIGS, (uid, variant), f"policy config {uid}/{variant}",
-                      lambda cls: cls())
+    return _registrar(_POLICY_CONFIGS, (uid, variant), f"policy config {uid}/{variant}", True)
 
 
 def register_policy(uid: str):
     """Class decorator: register a BaseTorchPolicy subclass under uid."""
-    return _registrar(_POLICIES, uid, f"policy {uid}", lambda cls: cls)
+    return _registrar(_POLICIES, uid, f"policy {uid}")
 
 
 def register_algo_config(uid: str, variant: str = "default"):
     """Class decorator: register an algorithm config dataclass's defaults under (uid, variant)."""
-    return _registrar(_ALGO_CONFIGS, (uid, variant), f"algorithm config {uid}/{variant}",
-                      lambda cls: cls())
+    return _registrar(_ALGO_CONFIGS, (uid, variant), f"algorithm config {uid}/{variant}", True)
 
 
 def register_algo(uid: str):
     """Class decorator: register a BaseAlgorithm subclass under uid."""
-    return _registrar(_ALGOS, uid, f"algorithm {uid}", lambda cls: cls)
+    return _registrar(_ALGOS, uid, f"algorithm {uid}")
 
 
 def register_env(env_id: str):
     """Class decorator: register a VecEnv subclass under env_id, for env-client and --local-env."""
-    return _registrar(ENVIRONMENTS, env_id, f"environment {env_id}", lambda cls: cls)
+    return _registrar(ENVIRONMENTS, env_id, f"environment {env_id}")
 
 
 def _build(kind: str, classes: dict, configs: dict, uid: str, variant: str, config, **kwargs):
@@ -317,11 +334,9 @@ def make_algo(uid: str, policy, config=None, variant: str = "default"):
 # PlugRL page: BaseTorchPolicy, and the dummy-policy of its smoke test.
 
 class BaseTorchPolicy(nn.Module):
-    """A policy is an nn.Module (so state_dict() works) with what the server and algorithms call.
-
-    Continuous actions are float32 [n, action_horizon, action_dim]. Discrete actions (num_actions
-    set) are int64 indices [n, action_horizon, 1]: one of num_actions choices per step.
-    """
+    """An nn.Module (so state_dict() works) with what the server and algorithms call. Continuous
+    actions are float32 [n, action_horizon, action_dim]; discrete ones (num_actions set) are
+    int64 indices [n, action_horizon, 1]: one of num_actions choices per step."""
 
     action_dim: int
     action_horizon: int = 1
@@ -336,9 +351,14 @@ class BaseTorchPolicy(nn.Module):
         """A runtime state of the right shapes for n environments (used to size buffers)."""
         raise NotImplementedError
 
-    def distribution(self, state: torch.Tensor) -> torch.distributions.Distribution:
-        """The distribution runtime_state["sample"] was drawn from: what pg differentiates."""
+    def forward(self, obs: dict) -> torch.distributions.Distribution:
+        """The distribution runtime_state["sample"] came from, given tensors {key: [B, ...]}."""
         raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are (--device): infer moves observations there, actions back."""
+        return next(self.parameters()).device
 
 
 @register_policy_config("dummy-policy")
@@ -361,8 +381,7 @@ class DummyPolicy(BaseTorchPolicy):
     def __init__(self, config: DummyPolicyConfig):
         super().__init__()
         self.config = config
-        self.action_dim = config.action_dim
-        self.action_horizon = config.action_horizon
+        self.action_dim, self.action_horizon = config.action_dim, config.action_horizon
         self.obs_spec = {"state": ((config.obs_dim,), "float32")}
         hidden = config.hidden_size
         self.trunk = nn.Sequential(nn.Linear(config.obs_dim, hidden), nn.ReLU(),
@@ -370,22 +389,22 @@ class DummyPolicy(BaseTorchPolicy):
         # Mean and log-std of every action of the chunk, in one matmul.
         self.head = nn.Linear(hidden, 2 * config.action_horizon * config.action_dim)
 
-    def forward(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gaussian(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and log-std of the Gaussian before tanh, each [B, action_horizon * action_dim]."""
         mean, log_std = self.head(self.trunk(state)).chunk(2, dim=-1)
         low, high = self.config.log_std_min, self.config.log_std_max
         return mean, low + 0.5 * (high - low) * (torch.tanh(log_std) + 1)  # squashed to [low, high]
 
-    def distribution(self, state: torch.Tensor) -> torch.distributions.Distribution:
+    def forward(self, obs: dict) -> torch.distributions.Distribution:
         """The Gaussian of the sample u; the action is tanh(u)."""
-        mean, log_std = self(state)
+        mean, log_std = self.gaussian(obs["state"])
         gaussian = torch.distributions.Normal(mean, log_std.exp(), validate_args=False)
         return torch.distributions.Independent(gaussian, 1, validate_args=False)
 
     def gaussian_sample(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """u = mean + std * noise (reparameterized) and its log-density [B], written out: the
-        plain form, distribution(state).rsample() and .log_prob(u), takes twice the time."""
-        mean, log_std = self(state)
+        plain form, self(obs).rsample() and .log_prob(u), takes twice the time."""
+        mean, log_std = self.gaussian(state)
         noise = torch.randn_like(mean)
         u = mean + log_std.exp() * noise
         return u, (-0.5 * noise.pow(2) - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
@@ -400,9 +419,10 @@ class DummyPolicy(BaseTorchPolicy):
     @torch.inference_mode()
     def get_action_and_runtime_state(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
         """Sample a batch of actions; the runtime state keeps the action, u and u's log-prob."""
-        u, log_prob = self.gaussian_sample(torch.from_numpy(obs["state"]))
-        action = torch.tanh(u).numpy().reshape(-1, self.action_horizon, self.action_dim)
-        return action, {"action": action, "sample": u.numpy(), "log_prob": log_prob.numpy()}
+        u, log_prob = self.gaussian_sample(torch.from_numpy(obs["state"]).to(self.device))
+        action = torch.tanh(u).cpu().numpy().reshape(-1, self.action_horizon, self.action_dim)
+        return action, {"action": action, "sample": u.cpu().numpy(),
+                        "log_prob": log_prob.cpu().numpy()}
 
     def fake_runtime_state(self, n: int) -> PolicyRuntimeState:
         """Zeros shaped like the runtime state of n environments."""
@@ -433,26 +453,26 @@ class CategoricalPolicy(BaseTorchPolicy):
 
     def __init__(self, config: CategoricalPolicyConfig):
         super().__init__()
-        self.action_dim = 1
-        self.num_actions = config.num_actions
+        self.action_dim, self.num_actions = 1, config.num_actions
         self.obs_spec = {"state": ((config.obs_dim,), "float32")}
         hidden = config.hidden_size
         self.logits = nn.Sequential(nn.Linear(config.obs_dim, hidden), nn.Tanh(),
                                     nn.Linear(hidden, hidden), nn.Tanh(),
                                     nn.Linear(hidden, config.num_actions))
 
-    def distribution(self, state: torch.Tensor) -> torch.distributions.Distribution:
+    def forward(self, obs: dict) -> torch.distributions.Distribution:
         """One categorical over num_actions per observation."""
-        return torch.distributions.Categorical(logits=self.logits(state), validate_args=False)
+        logits = self.logits(obs["state"])
+        return torch.distributions.Categorical(logits=logits, validate_args=False)
 
     @torch.inference_mode()
     def get_action_and_runtime_state(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
         """Sample a batch of choices; the runtime state keeps each choice and its log-prob."""
-        categorical = self.distribution(torch.from_numpy(obs["state"]))
+        categorical = self({"state": torch.from_numpy(obs["state"]).to(self.device)})
         choice = categorical.sample()  # [n] int64
-        action = choice.numpy().reshape(-1, 1, 1)  # [n, action_horizon = 1, 1]
-        return action, {"action": action, "sample": choice.numpy(),
-                        "log_prob": categorical.log_prob(choice).numpy()}
+        action = choice.cpu().numpy().reshape(-1, 1, 1)  # [n, action_horizon = 1, 1]
+        return action, {"action": action, "sample": choice.cpu().numpy(),
+                        "log_prob": categorical.log_prob(choice).cpu().numpy()}
 
     def fake_runtime_state(self, n: int) -> PolicyRuntimeState:
         """Zeros shaped like the runtime state of n environments."""
@@ -460,7 +480,7 @@ class CategoricalPolicy(BaseTorchPolicy):
                 "log_prob": np.zeros(n, np.float32)}
 
 
-# ===== 5. Algorithms: the hooks the server loop calls, and three algorithms that use them =====
+# ===== 5. Algorithms: the hooks the server loop calls, and the algorithms that use them =====
 # PlugRL page: BaseAlgoConfig, BaseAlgorithm, "Server contract" and "Design rules".
 
 @dataclasses.dataclass
@@ -616,7 +636,7 @@ class DummyAlgorithm(BaseAlgorithm):
         """Nothing to learn; moving frames_since_learn is what turns should_learn false."""
         self.frames_since_learn = 0
         self.learns += 1
-        return self.global_step, {"train/learns": self.learns}
+        return self.global_step, {}
 
     def should_learn(self):
         return self.frames_since_learn >= self.config.learn_every
@@ -640,6 +660,40 @@ class DummyAlgorithm(BaseAlgorithm):
         self.saved_at_learn = checkpoint.meta["saved_at_learn"]
 
 
+class DDPAlgorithm(BaseAlgorithm):
+    """BaseAlgorithm plus the hooks to learn on several ranks: under torch.distributed.run, rank 0
+    serves and learns, the others only learn. At each learn rank 0's get_server_data() reaches
+    the others' load_server_data(), then every rank runs pre_learn, learn and post_learn;
+    DistributedDataParallel averages the gradients, so the weights stay the same everywhere.
+    Rank 0 writes the one checkpoint."""
+
+    ddp_enabled: bool = False  # activate_ddp sets it
+
+    @abc.abstractmethod
+    def activate_ddp(self, ddp_policy: DistributedDataParallel) -> None:
+        """Learn through the policy's DistributedDataParallel wrapper; set ddp_enabled."""
+
+    @abc.abstractmethod
+    def get_server_data(self) -> tuple[int, dict, dict]:
+        """Rank 0, before a learn: (global_step, meta_info of JSON values, data of arrays)."""
+
+    @abc.abstractmethod
+    def load_server_data(self, global_step: int, meta_info: dict, data: dict) -> None:
+        """Every other rank, before a learn: take in what get_server_data gave."""
+
+    @abc.abstractmethod
+    def load_learner_state(self, checkpoint: Checkpoint) -> None:
+        """Every other rank, on --resume: the learned weights, optimizers and counters."""
+
+    @abc.abstractmethod
+    def create_ddp_checkpoint(self) -> Checkpoint:
+        """The checkpoint of the modules themselves, never of their DDP wrappers."""
+
+    def create_checkpoint(self) -> Checkpoint:
+        """Rank 0's save, on one rank or many."""
+        return self.create_ddp_checkpoint()
+
+
 @register_algo_config("pg")
 @dataclasses.dataclass
 class PGConfig(BaseAlgoConfig):
@@ -659,13 +713,13 @@ class PGConfig(BaseAlgoConfig):
 
 
 @register_algo("pg")
-class PG(BaseAlgorithm):
+class PG(DDPAlgorithm):
     """On-policy policy gradient with a learned value baseline and GAE(lambda) advantages.
 
     It learns from fixed-size batches of frames, not whole episodes: a learn runs every
     frames_per_learn stored frames, so long episodes weigh no more than short ones and a client
     that leaves never holds a learn up. Counters: global_step (frames stored), stored (rows of
-    this batch), learns, saved_at.
+    this batch), learns, saved_at. A DDPAlgorithm: its hooks for several ranks come last.
     """
 
     on_policy = True  # the gradient is only unbiased for actions of the current policy
@@ -673,16 +727,19 @@ class PG(BaseAlgorithm):
     def __init__(self, config: PGConfig, policy: BaseTorchPolicy):
         super().__init__(config=config, policy=policy)
         self.stored, self.learns, self.saved_at = 0, 0, 0
-        n, obs_shape = config.frames_per_learn, policy.obs_spec["state"][0]
+        n, spec = config.frames_per_learn, policy.obs_spec
+        obs = {key: np.zeros((n, *shape), dtype) for key, (shape, dtype) in spec.items()}
         sample = self.example_train_state(n)["sample"]  # [n, ...]: the batch's sample column
         # One row per frame. successor: the row of the same environment's next stored frame.
-        self.batch = {"obs": np.zeros((n, *obs_shape), np.float32), "sample": np.zeros_like(sample),
-                      "next_obs": np.zeros((n, *obs_shape), np.float32),
-                      "reward": np.zeros(n, np.float32), "terminated": np.zeros(n, np.float32),
-                      "successor": np.full(n, -1)}
+        self.batch = {"obs": obs, "next_obs": map_arrays(np.zeros_like, obs),
+                      "sample": np.zeros_like(sample), "reward": np.zeros(n, np.float32),
+                      "terminated": np.zeros(n, np.float32), "successor": np.full(n, -1)}
+        inputs = sum(math.prod(shape) for shape, _ in spec.values())  # every key, flattened
         hidden = config.value_hidden_size
-        self.value = nn.Sequential(nn.Linear(math.prod(obs_shape), hidden), nn.Tanh(),
-                                   nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+        self.value = nn.Sequential(nn.Linear(inputs, hidden), nn.Tanh(), nn.Linear(hidden, hidden),
+                                   nn.Tanh(), nn.Linear(hidden, 1)).to(policy.device)
+        # What learn differentiates: the modules, or their DDP wrappers once activate_ddp ran.
+        self.train_policy, self.train_value = policy, self.value
         self.policy_optimizer = self.value_optimizer = None  # built by init_optimizers()
 
     def init_optimizers(self) -> None:
@@ -698,12 +755,16 @@ class PG(BaseAlgorithm):
         """Store the frame in the next row, and link it after its environment's previous one."""
         self.record_finished_episode(info, next_terminated, next_truncated)
         row, batch = self.stored, self.batch
-        batch["obs"][row], batch["next_obs"][row] = obs["state"], next_obs["state"]
-        batch["sample"][row], batch["reward"][row] = train_state["sample"], np.sum(reward)
-        batch["terminated"][row], batch["successor"][row] = next_terminated, -1
-        # prev_node is the node this returned for the environment's previous stored frame. No
-        # link if this frame begins an episode (terminated/truncated are the previous frame's
-        # flags), or if the node names an earlier batch (only if on_policy were False).
+        for key in obs:
+            batch["obs"][key][row] = obs[key]
+            batch["next_obs"][key][row] = next_obs[key]
+        batch["sample"][row] = train_state["sample"]
+        batch["reward"][row] = np.sum(reward)  # a stacked reward, one per physical step: its sum
+        batch["terminated"][row] = next_terminated
+        batch["successor"][row] = -1
+        # prev_node is what this returned for the environment's previous stored frame. No link
+        # if this frame begins an episode (terminated/truncated are the previous frame's flags),
+        # or if the node names an earlier batch: the previous frame was stored before a learn.
         previous, batch_id = prev_node
         if previous >= 0 and batch_id == str(self.learns) and not (terminated or truncated):
             batch["successor"][previous] = row
@@ -716,23 +777,27 @@ class PG(BaseAlgorithm):
 
     def learn_impl(self) -> tuple[int, dict]:
         """Advantages, one policy step, value_epochs value steps; then a new batch."""
-        cfg, n = self.config, self.stored
-        obs, sample, next_obs, reward, terminated = (
-            torch.from_numpy(self.batch[key][:n])
-            for key in ("obs", "sample", "next_obs", "reward", "terminated"))
-        advantage, value = self.advantages(obs, next_obs, reward, terminated)
+        cfg, n, device = self.config, self.stored, self.policy.device
+        frames = map_arrays(lambda array: torch.from_numpy(array[:n]).to(device), self.batch)
+        advantage, value = self.advantages(frames)
         returns = advantage + value  # what the value network regresses to
         advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-8)
+        # Each rank takes an equal share of the rows (one rank: all of them); the last
+        # n % ranks rows sit out. DistributedDataParallel averages the shares' gradients.
+        ranks, rank = (dist.get_world_size(), dist.get_rank()) if self.ddp_enabled else (1, 0)
+        share = slice(rank * (n // ranks), (rank + 1) * (n // ranks))
+        obs = slice_rows(frames["obs"], share)
         # One policy step: a second would follow a policy that did not draw these samples.
-        distribution = self.policy.distribution(obs)
+        distribution = self.train_policy(obs)
         entropy = distribution.entropy().mean()
-        policy_loss = -(distribution.log_prob(sample) * advantage).mean() - cfg.ent_coef * entropy
+        log_prob = distribution.log_prob(frames["sample"][share])
+        policy_loss = -(log_prob * advantage[share]).mean() - cfg.ent_coef * entropy
         self.policy_optimizer.zero_grad()
         policy_loss.backward()
         nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
         self.policy_optimizer.step()
         for _ in range(cfg.value_epochs):
-            value_loss = 0.5 * (self.value(obs).squeeze(-1) - returns).pow(2).mean()
+            value_loss = 0.5 * (self.values(obs) - returns[share]).pow(2).mean()
             self.value_optimizer.zero_grad()
             value_loss.backward()
             nn.utils.clip_grad_norm_(self.value.parameters(), cfg.max_grad_norm)
@@ -741,32 +806,39 @@ class PG(BaseAlgorithm):
         self.learns += 1  # also names the new batch: nodes of the old one link nothing
         return self.global_step, {"train/policy_loss": policy_loss.item(),
                                   "train/value_loss": value_loss.item(),
-                                  "train/entropy": entropy.item(), "train/learns": self.learns}
+                                  "train/entropy": entropy.item()}
+
+    def values(self, obs: dict) -> torch.Tensor:
+        """V(obs) [B]: the value network on every observation key, flattened and joined."""
+        inputs = torch.cat([array.flatten(1).float() for array in obs.values()], dim=1)
+        return self.train_value(inputs).squeeze(-1)
 
     @torch.no_grad()
-    def advantages(self, obs, next_obs, reward, terminated) -> tuple[torch.Tensor, torch.Tensor]:
+    def advantages(self, frames: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """GAE(lambda) of the stored frames [n], backwards along each chain; and V(obs) [n]."""
         cfg = self.config
-        value = self.value(obs).squeeze(-1)
-        next_value = self.value(next_obs).squeeze(-1)
+        value = self.values(frames["obs"])
+        next_value = self.values(frames["next_obs"])
         # Termination stops bootstrapping. After truncation, or at a frame this batch cuts
         # short, the episode goes on, and V(next_obs) stands for the rest of it.
-        delta = (reward + cfg.gamma * (1 - terminated) * next_value - value).numpy()
+        not_done = 1 - frames["terminated"]
+        delta = (frames["reward"] + cfg.gamma * not_done * next_value - value).cpu().numpy()
         advantage = np.zeros(len(delta), np.float32)
         successor = self.batch["successor"]
         for row in reversed(range(len(delta))):  # a successor sits in a later row: done first
             later = advantage[successor[row]] if successor[row] >= 0 else 0.0
             advantage[row] = delta[row] + cfg.gamma * cfg.gae_lambda * later
-        return torch.from_numpy(advantage), value
+        return torch.from_numpy(advantage).to(value.device), value
 
     def should_save(self) -> bool:
         return self.learns - self.saved_at >= self.config.save_every
 
-    def create_checkpoint(self) -> Checkpoint:
+    # --- Checkpoints and the hooks of several ranks (DDPAlgorithm): a second reading ----------
+
+    def create_ddp_checkpoint(self) -> Checkpoint:
         """Policy, value network, optimizers, counters, and the frames of the unfinished batch."""
         self.saved_at = self.learns
-        frames = {key: torch.from_numpy(array[:self.stored].copy())
-                  for key, array in self.batch.items()}
+        frames = map_arrays(lambda array: torch.from_numpy(array[:self.stored].copy()), self.batch)
         meta = {"stored": self.stored, "learns": self.learns, "saved_at": self.saved_at,
                 "value": self.value.state_dict(), "frames": frames}
         optimizer = {"policy": self.policy_optimizer.state_dict(),
@@ -774,16 +846,37 @@ class PG(BaseAlgorithm):
         return Checkpoint(step=self.global_step, model=self.policy.state_dict(),
                           optimizer=optimizer, meta=meta)
 
-    def load_checkpoint(self, checkpoint: Checkpoint) -> None:
-        """Restore everything create_checkpoint saved: the learn cadence continues exactly."""
-        super().load_checkpoint(checkpoint)
+    def load_learner_state(self, checkpoint: Checkpoint) -> None:
+        """Weights, optimizers and counters: all that every rank needs to learn in step."""
+        super().load_checkpoint(checkpoint)  # BaseAlgorithm's: global_step and the policy
         meta = checkpoint.meta
         self.stored, self.learns, self.saved_at = meta["stored"], meta["learns"], meta["saved_at"]
-        for key, frames in meta["frames"].items():
-            self.batch[key][:self.stored] = frames.numpy()
         self.value.load_state_dict(meta["value"])
         self.policy_optimizer.load_state_dict(checkpoint.optimizer["policy"])
         self.value_optimizer.load_state_dict(checkpoint.optimizer["value"])
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """The learner state and the unfinished batch's frames: the cadence continues exactly."""
+        self.load_learner_state(checkpoint)
+        frames = map_arrays(torch.Tensor.numpy, checkpoint.meta["frames"])
+        put_rows(self.batch, slice(0, self.stored), frames)
+
+    def activate_ddp(self, ddp_policy: DistributedDataParallel) -> None:
+        """Learn through the policy's wrapper, and through one of the value network alike."""
+        self.train_policy = ddp_policy
+        self.train_value = DistributedDataParallel(self.value, device_ids=ddp_policy.device_ids)
+        self.ddp_enabled = True
+
+    def get_server_data(self) -> tuple[int, dict, dict]:
+        """The batch's rows and the counters learn reads."""
+        data = slice_rows(self.batch, slice(0, self.stored))
+        return self.global_step, {"stored": self.stored, "learns": self.learns}, data
+
+    def load_server_data(self, global_step: int, meta_info: dict, data: dict) -> None:
+        """Rank 0's batch and counters, so that this rank learns from the same frames."""
+        self.global_step = global_step
+        self.stored, self.learns = meta_info["stored"], meta_info["learns"]
+        put_rows(self.batch, slice(0, self.stored), data)
 
 
 # ===== 6. Server: batched infer, the routing rule, learn, save and stop, over WebSocket =====
@@ -820,7 +913,7 @@ class EnvSlot:
 
     waiting: bool = False  # its infer is queued; its action not sent yet
     step: StepState | None = None  # the action it was given and owes feedback for
-    terminated: bool = False  # its previous frame's flags: feedback(terminated=, truncated=)
+    terminated: bool = False  # how its previous frame ended: feedback(terminated=, truncated=)
     truncated: bool = False
     prev_node: tuple = NO_NODE  # what feedback returned for its previous stored frame
 
@@ -855,27 +948,25 @@ class FeedbackMessage:
     steps: list  # [m] StepState, taken from the slots when the message arrived
     next_obs: list  # [m] the observation after each decision, {key: array}
     rewards: list  # [m] float (with 'stack': [k] arrays, one reward per physical step)
-    terminated: list  # [m] bool, this transition's: feedback(next_terminated=)
-    truncated: list  # [m] bool
+    next_terminated: list  # [m] bool: how each decision ended (its slot holds how the last did)
+    next_truncated: list  # [m] bool
     info: list  # [m] dict, e.g. {"episode": {...}} (every frame has it if one finished)
 
 
 class Server:
-    """One run: the algorithm behind a WebSocket endpoint, writing to its run directory.
-
-    Each connection's task only checks and queues messages. One control task talks to the
-    algorithm, so no two hooks ever run at once (learn runs in a worker thread, alone).
-    """
+    """One run: the algorithm behind a WebSocket endpoint, writing to its run directory. Each
+    connection's task only checks and queues messages. One control task talks to the algorithm,
+    so no two hooks ever run at once (learn runs in a worker thread, alone)."""
 
     def __init__(self, algo: BaseAlgorithm, run_dir: str, names: tuple[str, str], *,
                  max_message_bytes: int = MAX_MESSAGE_BYTES, feedback_timeout: float = 60.0,
                  token: str | None = None, global_step: int = 0, policy_version: int = 0,
-                 learn_threads: int | None = None, trace: int = 0):
-        self.algo = algo
-        self.run_dir = run_dir
-        self.max_message_bytes = max_message_bytes
-        self.feedback_timeout = feedback_timeout
-        self.token = token
+                 learn_threads: int | None = None, log_every: int = 1000, trace: int = 0,
+                 ranks=None):
+        self.algo, self.run_dir, self.token = algo, run_dir, token
+        self.max_message_bytes, self.feedback_timeout = max_message_bytes, feedback_timeout
+        self.log_every = log_every  # frames between lines of metrics.jsonl (at least)
+        self.ranks = ranks  # the other ranks of a torch.distributed launch, or None
         self.global_step = global_step
         self.version = policy_version  # learns so far (a resumed run continues the count)
         policy = algo.policy
@@ -883,40 +974,66 @@ class Server:
                          for key, (shape, dtype) in policy.obs_spec.items()}
         self.action_shape = (policy.action_horizon, policy.action_dim)
         self.action_dtype = np.float32 if policy.num_actions is None else np.int64
-        self.metadata = {
-            "message_type": "metadata", "protocol_version": PROTOCOL_VERSION,
-            "policy": names[0], "algorithm": names[1],
-            "obs_spec": {key: {"shape": list(shape), "dtype": dtype.str}
-                         for key, (shape, dtype) in self.obs_spec.items()},
-            "action_dim": policy.action_dim, "num_actions": policy.num_actions,
-            "action_horizon": policy.action_horizon}
+        self.metadata = {"message_type": "metadata", "protocol_version": PROTOCOL_VERSION,
+                         "policy": names[0], "algorithm": names[1],
+                         "obs_spec": {key: {"shape": list(shape), "dtype": dtype.str}
+                                      for key, (shape, dtype) in self.obs_spec.items()},
+                         "action_dim": policy.action_dim, "num_actions": policy.num_actions,
+                         "action_horizon": policy.action_horizon}
         self.connections = set()  # the open ones; a closed or rejected one leaves at once
         self.connections_made = 0
-        self.inbox = []  # checked messages, in arrival order
-        self.waiting = []  # infer requests not answered yet
+        self.inbox, self.waiting = [], []  # checked messages, in arrival order; waiting infers
         self.wake = asyncio.Event()  # set by every message, and twice a second by tick()
-        self.stop_requested = False
+        self.stop_requested, self.status = False, 0  # status 1: a local env client failed
+        self.signalled_at = None  # when the first SIGINT or SIGTERM came
         self.learned_at = 0.0  # when the last learn ended: the feedback clock stood still
+        self.learned_frames = 0  # self.frames then: a learn's work grows with the frames since
         self.tasks = set()  # background tasks (asyncio keeps only weak references to them)
-        self.learns = 0
-        self.infer_calls = 0
-        self.inferred_envs = 0
+        self.local_clients = []  # (number, process, log path) of the --local-env-clients
+        self.learns = self.infer_calls = self.inferred_envs = 0
         self.frames = 0  # routed since the start
-        self.fed = 0  # since the last metrics line
-        self.discarded = 0
-        self.feedback_logs = {}  # key -> values that feedback returned since the last line
-        self.last_log = {}  # the newest metrics line that saw episodes, for the progress line
-        self.curve = []  # (frames, rollout/reward) for the chart at the end
+        # The next line of metrics.jsonl: key -> [sum of weighted values, sum of weights], ...
+        self.window, self.window_episodes, self.fed, self.discarded = {}, 0, 0, 0
+        self.logged_at = 0  # self.frames at the last line
+        self.last_reward = float("nan")  # of the newest line that saw episodes, for the progress
         self.trace_left = trace  # frames still to narrate (--trace)
-        self.metrics_file = None  # metrics.jsonl, open while run() runs
-        self.tensorboard = None  # a SummaryWriter, when the tensorboard package is installed
-        self.started = time.perf_counter()
-        self.shown_at = self.started
-        # Every learn() runs in this one OS thread, with all of torch's threads (its batches are
-        # large). Not asyncio.to_thread: torch's thread count is per OS thread.
-        self.learn_executor = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="learn", initializer=torch.set_num_threads,
-            initargs=(learn_threads or torch.get_num_threads(),))
+        self.metrics_file = self.tensorboard = None  # open while run() runs
+        self.started = self.shown_at = time.perf_counter()
+        self.threads = LearnThreads(learn_threads, TORCH_THREADS)
+        # Every learn() runs in this one OS thread (torch's thread count is per OS thread); the
+        # event loop's thread infers with one, the fastest for small batches.
+        self.learn_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="learn")
+
+    def accept(self, conn: Connection, message: dict) -> InferRequest | FeedbackMessage:
+        """Check a message, queue it, and move its environments on. A feedback takes each
+        environment's step state out of its slot now: the environment may infer again at once."""
+        kind, env_ids = check_message(message, self.obs_spec)
+        if kind == "infer":
+            # The plain form, conn.slots.setdefault(i, EnvSlot()), builds a slot at every call.
+            slots = [conn.slots[i] if i in conn.slots else conn.slots.setdefault(i, EnvSlot())
+                     for i in env_ids]
+            for i, slot in zip(env_ids, slots):
+                if slot.waiting or slot.step is not None:
+                    owes = "waits for its last action" if slot.waiting else "owes feedback"
+                    raise ProtocolError(f"infer: environment {i} {owes}",
+                                        "send feedback after every action, then infer")
+                slot.waiting = True
+            return InferRequest(conn, message["env_indices"], message["obs"])
+        slots = [conn.slots.get(i) for i in env_ids]
+        steps = [slot and slot.step for slot in slots]
+        if None in steps:
+            raise ProtocolError("feedback: an environment in env_indices has no action to "
+                                "answer", "send feedback only for environments given an action")
+        for slot in slots:
+            slot.step = None
+        conn.owed -= len(slots)
+        conn.heard_at = time.monotonic()
+        m = len(slots)
+        reward = message["reward"]
+        rewards = reward.tolist() if reward.ndim == 1 else list(reward)  # floats, or [k] rows
+        return FeedbackMessage(conn, env_ids, slots, steps, split_rows(message["obs"], m), rewards,
+                               message["terminated"].tolist(), message["truncated"].tolist(),
+                               split_rows(message.get("info", {}), m))
 
     # --- The wire side: one task per connection ---------------------------------------------
 
@@ -943,44 +1060,12 @@ class Server:
             # Its queued infers are skipped; its feedback already queued was whole, and counts.
             self.connections.discard(conn)
 
-    def accept(self, conn: Connection, message: dict) -> InferRequest | FeedbackMessage:
-        """Turn a checked message into a queued item, and move its environments' state on."""
-        kind, env_ids = check_message(message, self.obs_spec)
-        if kind == "infer":
-            # The plain form, conn.slots.setdefault(i, EnvSlot()), builds a slot at every call.
-            slots = [conn.slots[i] if i in conn.slots else conn.slots.setdefault(i, EnvSlot())
-                     for i in env_ids]
-            for i, slot in zip(env_ids, slots):
-                if slot.waiting or slot.step is not None:
-                    owes = "waits for its last action" if slot.waiting else "owes feedback"
-                    raise ProtocolError(f"infer: environment {i} {owes}",
-                                        "send feedback after every action, then infer")
-                slot.waiting = True
-            return InferRequest(conn, message["env_indices"], message["obs"])
-        slots = [conn.slots.get(i) for i in env_ids]
-        steps = [slot and slot.step for slot in slots]
-        if None in steps:
-            raise ProtocolError("feedback: an environment in env_indices has no action to "
-                                "answer", "send feedback only for environments given an action")
-        for slot in slots:
-            slot.step = None  # so the environment may infer again at once
-        conn.owed -= len(slots)
-        conn.heard_at = time.monotonic()
-        m = len(slots)
-        reward = message["reward"]
-        rewards = reward.tolist() if reward.ndim == 1 else list(reward)  # floats, or [k] rows
-        return FeedbackMessage(conn, env_ids, slots, steps, split_rows(message["obs"], m), rewards,
-                               message["terminated"].tolist(), message["truncated"].tolist(),
-                               split_rows(message.get("info", {}), m))
-
     def check_token(self, connection, request):
         """Refuse, at the handshake, a client without the run's token (HTTP 401)."""
-        if self.token is None:
-            return None
         given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        if not hmac.compare_digest(given, f"Bearer {self.token}".encode()):  # constant time
-            return connection.respond(401, "missing or wrong token\n")
-        return None
+        if self.token is None or hmac.compare_digest(given, f"Bearer {self.token}".encode()):
+            return None  # compare_digest compares in constant time
+        return connection.respond(401, "missing or wrong token\n")
 
     async def reject(self, conn: Connection, error: ProtocolError) -> None:
         """Tell the client what was wrong, then close its connection (and no other)."""
@@ -1013,12 +1098,14 @@ class Server:
             while self.algo.should_learn() and not self.stop_requested:
                 await self.learn_once()
             stop = self.stop_requested or self.algo.should_stop()
-            if stop or self.algo.should_save():
-                self.save()
+            if stop or self.algo.should_save():  # the server's counters are saved beside
+                counters = {"global_step": self.global_step, "policy_version": self.version}
+                save_checkpoint(self.run_dir, self.algo.create_checkpoint(), counters)
             if stop:
                 return
             if self.waiting:
                 await self.infer_waiting()
+            self.watch_local_clients()
             self.drop_silent_clients()
             self.show_progress()
 
@@ -1032,7 +1119,7 @@ class Server:
                for key in self.obs_spec}
         action, runtime_state = self.algo.infer(obs)
         action = check_action(action, len(obs[next(iter(obs))]), self.action_shape,
-                               self.action_dtype)
+                              self.action_dtype)
         n = len(action)
         train_state = self.algo.derive_train_state(runtime_state)
         # Each environment's rows, cut once for the whole batch (views, not copies).
@@ -1061,7 +1148,7 @@ class Server:
     def route_feedback(self, message: FeedbackMessage) -> None:
         """The routing rule: feedback() for frames the algorithm stores, discard_feedback() else."""
         frames = zip(message.slots, message.steps, message.next_obs, message.rewards,
-                     message.terminated, message.truncated, message.info)
+                     message.next_terminated, message.next_truncated, message.info)
         for j, (slot, step, next_obs, reward, next_terminated, next_truncated, info) in enumerate(
                 frames):
             # An on-policy gradient averages over actions of the policy being improved. A frame
@@ -1075,6 +1162,7 @@ class Server:
                 node = NO_NODE  # the chain of this environment's stored frames is broken
                 self.discarded += 1
             else:
+                # terminated/truncated: how the slot's previous frame ended; next_*: this one.
                 batch = step.batch
                 node, self.global_step, log = self.algo.feedback(
                     obs=batch.obs[step.row], runtime_state=batch.runtime_state[step.row],
@@ -1082,8 +1170,8 @@ class Server:
                     truncated=slot.truncated, next_obs=next_obs, reward=reward, info=info,
                     next_terminated=next_terminated, next_truncated=next_truncated,
                     prev_node=slot.prev_node)
-                for key, value in log.items():
-                    self.feedback_logs.setdefault(key, []).append(float(value))
+                if log:
+                    self.add_to_window(log)
                 self.fed += 1
             if self.trace_left > 0:
                 self.trace_frame(message, j, node, discard, stale)
@@ -1094,50 +1182,68 @@ class Server:
 
     async def learn_once(self) -> None:
         """pre_learn, learn() in the worker thread (the event loop keeps answering), post_learn."""
-        self.algo.pre_learn()
         loop = asyncio.get_running_loop()
-        self.global_step, log = await loop.run_in_executor(self.learn_executor, self.algo.learn)
+        threads = self.threads.choose()
+        if self.ranks is not None:  # several ranks: each gets the batch, then all learn at once
+            await loop.run_in_executor(self.learn_executor, self.ranks.send_learn, self.algo,
+                                       threads)
+        self.algo.pre_learn()
+        (self.global_step, log), seconds = await loop.run_in_executor(
+            self.learn_executor, self.timed_learn, threads)
+        warning = self.threads.record(threads, seconds, self.frames - self.learned_frames)
+        if warning:
+            print(f"\nwarning: {warning}", file=sys.stderr, flush=True)
+        self.learned_frames = self.frames
         self.learned_at = time.monotonic()
         self.algo.post_learn()
         self.version += 1
         self.learns += 1
         if self.trace_left > 0:
             print(f"trace: learn {self.learns} -> policy version {self.version}", flush=True)
-        self.write_metrics("learn", log)
+        self.add_to_window({**log, "server/learn_seconds": seconds})  # averaged, as train/* are
+        if self.frames - self.logged_at >= self.log_every:
+            self.write_metrics("learn")
+        self.show_progress()  # also while should_learn() stays true and no frame comes
 
-    def save(self) -> None:
-        """create_checkpoint(), with the server's counters, written atomically to the run dir."""
-        counters = {"global_step": self.global_step, "policy_version": self.version}
-        save_checkpoint(self.run_dir, self.algo.create_checkpoint(), counters)
+    def timed_learn(self, threads: int) -> tuple[tuple[int, dict], float]:
+        """learn() on `threads` torch threads, in the learn thread; and how long it took."""
+        torch.set_num_threads(threads)  # cheap, and per OS thread: inference keeps its one
+        started = time.perf_counter()
+        return self.algo.learn(), time.perf_counter() - started
 
-    def write_metrics(self, event: str, log: dict) -> None:
-        """One line of metrics.jsonl (and TensorBoard), at every learn and at the end of the run:
-        the log, the means of what feedback returned since the last line, and the routing."""
+    def add_to_window(self, log: dict) -> None:
+        """Count a learn's log, or a frame's feedback log, into the next line of metrics.jsonl.
+        rollout/* are means over the log's rollout/episodes: weighted by them, they stay exact."""
+        episodes = log.get("rollout/episodes", 0)
+        self.window_episodes += episodes
+        for key, value in log.items():
+            weight = episodes if key.startswith("rollout/") else 1
+            if weight and key != "rollout/episodes":
+                total = self.window.setdefault(key, [0.0, 0])
+                total[0] += weight * float(value)
+                total[1] += weight
+
+    def write_metrics(self, event: str) -> None:
+        """One line of metrics.jsonl (and TensorBoard) for the frames since the last line: the
+        mean of every value learn and feedback returned, rollout/* over the episodes that ended."""
         elapsed = time.perf_counter() - self.started
-        means = {key: sum(values) / len(values) for key, values in self.feedback_logs.items()}
-        log = {**means, **log, "server/fed": self.fed, "server/discarded": self.discarded,
-               "server/frames": self.frames, "server/policy_version": self.version,
-               "server/fps": self.frames / elapsed,
-               "server/mean_batch_size": self.inferred_envs / max(self.infer_calls, 1)}
-        log = {key: value.item() if hasattr(value, "item") else value  # tensors and numpy too
-               for key, value in log.items()}
-        self.feedback_logs = {}
-        self.fed = 0
-        self.discarded = 0
-        line = {"event": event, "step": self.global_step, "time": round(elapsed, 3), **log}
+        means = {key: total / weight for key, (total, weight) in self.window.items()}
+        rollout = {key: means.pop(key, 0.0)  # 0 when no episode ended
+                   for key in ("rollout/reward", "rollout/length", "rollout/success")}
+        metrics = {**means, **rollout, "rollout/episodes": self.window_episodes,
+                   "server/fed": self.fed, "server/discarded": self.discarded,
+                   "server/frames": self.frames, "server/policy_version": self.version,
+                   "server/fps": self.frames / elapsed,
+                   "server/mean_batch_size": self.inferred_envs / max(self.infer_calls, 1)}
+        line = {"event": event, "step": self.global_step, "time": round(elapsed, 3), **metrics}
         self.metrics_file.write(json.dumps(line) + "\n")
-        # TensorBoard draws curves: it gets the lines with news for one (episodes that ended, or
-        # train/* values), and rollout/* only when episodes ended (else a 0 would be drawn).
-        episodes = log.get("rollout/episodes")
-        news = episodes or any(key.startswith("train/") for key in log)
-        if self.tensorboard is not None and news:
-            for key, value in log.items():
-                drawn = episodes or not key.startswith("rollout/")
-                if drawn and isinstance(value, (int, float)):
-                    self.tensorboard.add_scalar(key, value, self.global_step)
-        if episodes:
-            self.last_log = log
-            self.curve.append((self.frames, log["rollout/reward"]))
+        for key, value in metrics.items():  # TensorBoard: no rollout/* point without episodes
+            if self.tensorboard is not None and (self.window_episodes or key not in rollout):
+                self.tensorboard.add_scalar(key, value, self.global_step)
+        if self.window_episodes:
+            self.last_reward = rollout["rollout/reward"]
+        self.window, self.window_episodes, self.fed, self.discarded = {}, 0, 0, 0
+        self.logged_at = self.frames
 
     def trace_frame(self, message: FeedbackMessage, j: int, node: tuple, discard: bool,
                     stale: bool) -> None:
@@ -1145,18 +1251,25 @@ class Server:
         self.trace_left -= 1
         step = message.steps[j]
         action = np.array2string(step.batch.action[step.row].ravel(), precision=3)
-        if not self.algo.on_policy:
-            where = "feedback (off-policy: every frame is stored)"
-        elif not discard:
-            where = "feedback (acted with the current version)"
-        elif stale:
-            where = (f"discard_feedback (stale: acted with version {step.batch.version}, "
-                     f"the policy is version {self.version})")
-        else:
-            where = "discard_feedback (learn due: should_learn() is true)"
+        where = ("feedback (off-policy: every frame is stored)" if not self.algo.on_policy
+                 else "feedback (acted with the current version)" if not discard
+                 else f"discard_feedback (stale: acted with version {step.batch.version}, the "
+                      f"policy is version {self.version})" if stale
+                 else "discard_feedback (learn due: should_learn() is true)")
         print(f"trace: conn {message.conn.number} env {message.env_indices[j]} | infer batch of "
               f"{len(step.batch.action)} at version {step.batch.version} | action {action} | "
               f"-> {where} | prev_node {message.slots[j].prev_node} -> {node}", flush=True)
+
+    def watch_local_clients(self) -> None:
+        """A local env client (--local-env-clients) that failed stops the run, with status 1."""
+        for number, process, log_path in self.local_clients:
+            if process.poll() not in (None, 0) and not self.stop_requested:
+                with open(log_path, errors="replace") as log:
+                    last = ([line.strip() for line in log if line.strip()] or ["(no output)"])[-1]
+                print(f"\nerror: local env client {number} exited with status "
+                      f"{process.returncode}: {last} (its log: {log_path})", file=sys.stderr)
+                self.status = 1
+                self.request_stop()
 
     def drop_silent_clients(self) -> None:
         """Drop a client silent for --feedback-timeout s while it owes feedback (not learning)."""
@@ -1172,15 +1285,16 @@ class Server:
 
     def show_progress(self) -> None:
         """A progress line: in place every second on a terminal, every 10 s otherwise."""
-        now = time.perf_counter()
-        tty = sys.stdout.isatty()
+        now, tty = time.perf_counter(), sys.stdout.isatty()
         if now - self.shown_at < (1.0 if tty else 10.0):
             return
         self.shown_at = now
-        reward = self.last_log.get("rollout/reward", float("nan"))
+        seconds, threads = self.threads.last
+        batch = self.inferred_envs / max(self.infer_calls, 1)
         line = (f"step {self.global_step}/{self.algo.config.global_steps} | "
-                f"{self.frames / (now - self.started):.0f} fps | rollout/reward {reward:.2f} | "
-                f"batch {self.inferred_envs / max(self.infer_calls, 1):.1f}")
+                f"{self.frames / (now - self.started):.0f} fps | rollout/reward "
+                f"{self.last_reward:.2f} | batch {batch:.1f} | {self.learns} learns | learn "
+                f"{1000 * seconds:.1f} ms, {threads} thread{'s' * (threads > 1)}")
         print("\r" + line if tty else line, end="" if tty else "\n", flush=True)
 
     async def tick(self) -> None:
@@ -1190,16 +1304,21 @@ class Server:
             self.wake.set()
 
     def request_stop(self) -> None:
-        """Stop after the learn in progress: a final checkpoint, the clients told, status 0."""
+        """Stop after the learn in progress: a final checkpoint, the clients told."""
         self.stop_requested = True
         self.wake.set()
 
     def on_signal(self) -> None:
-        """SIGINT or SIGTERM: stop cleanly; a second one while stopping quits at once."""
-        if self.stop_requested:
+        """SIGINT or SIGTERM: stop cleanly. Copies within a second are the same request (timeout,
+        docker stop, Slurm and a terminal's Ctrl-C send several); a later one quits at once."""
+        now = time.monotonic()
+        if self.signalled_at is not None:
+            if now - self.signalled_at < 1.0:
+                return
             print("\nstopped again: exiting now, without a final checkpoint", file=sys.stderr,
                   flush=True)
             os._exit(130)
+        self.signalled_at = now
         print("\nstopping: a final checkpoint once the learn in progress (if any) ends; "
               "Ctrl-C again quits without one", file=sys.stderr, flush=True)
         self.request_stop()
@@ -1208,7 +1327,7 @@ class Server:
             signal.signal(signum, lambda *_: self.on_signal())
 
     async def run(self, host: str, port: int, on_listening=None) -> int:
-        """Serve until should_stop() (status 0), a signal (0) or an algorithm error (1)."""
+        """Serve until should_stop() or a signal (status 0), or a local client or hook fails (1)."""
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self.on_signal)
@@ -1225,7 +1344,7 @@ class Server:
                 ticker = asyncio.create_task(self.tick())
                 try:
                     await self.control_loop()
-                    code, reason, status = 1000, RUN_FINISHED, 0
+                    code, reason, status = 1000, RUN_FINISHED, self.status
                 except Exception as error:  # a hook raised: no checkpoint is written after it
                     traceback.print_exc()
                     code, reason, status = 1011, f"{SERVER_FAILED}: {type(error).__name__}", 1
@@ -1234,18 +1353,24 @@ class Server:
                 # newest too; a handshake still in progress is refused (HTTP 503).
                 server.close(code=code, reason=reason)
                 await server.wait_closed()
-            if status == 0:
-                _, log = self.algo.build_train_info(self.global_step, {})
-                self.write_metrics("end", log)  # no value since the last learn is lost
+            if code == 1000:  # what the last learns and episodes logged is not lost
+                self.add_to_window(self.algo.build_train_info(self.global_step, {})[1])
+                self.write_metrics("end")
         if self.tensorboard is not None:
             self.tensorboard.close()
+        try:  # the other ranks are told last: a dead one cannot keep the clients waiting
+            if self.ranks is not None:
+                self.ranks.broadcast({"order": "stop"})
+        except RuntimeError as error:
+            print(f"error: a learner rank is gone ({str(error).splitlines()[0]})", file=sys.stderr)
+            status = 1
         print(f"\n{reason}: global step {self.global_step}, {self.learns} learns", flush=True)
-        if status == 0:
-            print(text_chart(self.curve), flush=True)
+        if code == 1000:
+            print(report([self.run_dir]), flush=True)
         return status
 
 
-# --- The run directory: checkpoints, metrics.jsonl, TensorBoard, the curve ------------------------
+# --- The run directory: checkpoints, metrics.jsonl, TensorBoard, the report -------------------
 
 def save_checkpoint(run_dir: str, checkpoint: Checkpoint, server_counters: dict,
                     keep: int = 3) -> str:
@@ -1253,9 +1378,7 @@ def save_checkpoint(run_dir: str, checkpoint: Checkpoint, server_counters: dict,
     folder = os.path.join(run_dir, "checkpoints")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"step_{checkpoint.step:012d}.pt")
-    payload = {"step": checkpoint.step, "model": checkpoint.model,
-               "optimizer": checkpoint.optimizer, "meta": checkpoint.meta,
-               "server": server_counters}  # not dataclasses.asdict: it deep-copies every tensor
+    payload = {**vars(checkpoint), "server": server_counters}  # asdict would copy every tensor
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     buffer.seek(0)
@@ -1280,7 +1403,7 @@ def load_newest_checkpoint(run_dir: str) -> tuple[Checkpoint, dict]:
     pattern = os.path.join(run_dir, "checkpoints", "step_*.pt")
     for path in sorted(glob.glob(pattern), reverse=True):
         try:
-            payload = torch.load(path, weights_only=True)
+            payload = torch.load(path, weights_only=True, map_location="cpu")
         except Exception as error:  # a file cut short by a crash: fall back to the one before
             print(f"skipping damaged checkpoint {path}: {error}", file=sys.stderr)
             continue
@@ -1298,19 +1421,179 @@ def open_tensorboard(run_dir: str):
     return SummaryWriter(run_dir)
 
 
-def text_chart(curve: list, rows: int = 12, width: int = 40) -> str:
-    """The learning curve in the terminal: rollout/reward against frames, a dozen rows."""
-    if not curve:
-        return "rollout/reward: no episode finished, nothing to chart"
-    if len(curve) > rows:  # evenly spaced learns, the first and the last among them
-        curve = [curve[round(i * (len(curve) - 1) / (rows - 1))] for i in range(rows)]
-    low = min(reward for _, reward in curve)
-    high = max(reward for _, reward in curve)
-    lines = [f"{'frames':>10} {'rollout/reward':>15}"]
-    for frames, reward in curve:
-        bar = "#" * (1 + round((width - 1) * (reward - low) / ((high - low) or 1)))
-        lines.append(f"{frames:>10} {reward:>15.2f}  {bar}")
-    return "\n".join(lines)
+def read_metrics(run_dir: str) -> list[dict]:
+    """The lines of a run directory's metrics.jsonl (ValueError if it has none)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ValueError(f"{run_dir} holds no metrics.jsonl: is it a run directory?")
+    with open(path) as file:
+        lines = [json.loads(line) for line in file if line.strip()]
+    if not lines:
+        raise ValueError(f"{path} is empty: the run has not written a line yet")
+    return lines
+
+
+def return_curve(lines: list[dict], episodes: int = 100) -> list[tuple[int, float]]:
+    """(step, mean return of the last 100 episodes) at every line that saw episodes: the mean
+    over the newest lines that hold at least 100 of them, each weighted by rollout/episodes."""
+    curve, held = [], []  # held: (episodes, mean return) of the newest lines that are needed
+    for line in lines:
+        if line["rollout/episodes"]:
+            held.append((line["rollout/episodes"], line["rollout/reward"]))
+            while sum(count for count, _ in held[1:]) >= episodes:
+                held.pop(0)
+            total = sum(count * mean for count, mean in held)
+            curve.append((line["step"], total / sum(count for count, _ in held)))
+    return curve
+
+
+def report(run_dirs: list[str], reach: float | None = None) -> str:
+    """A line on each run (steps, learns, discards, episodes, the mean return of its last 100
+    episodes, the best such mean, and when it first reached `reach`), then their curves."""
+    rows, curves = [], {}
+    for mark, run_dir in zip("ABCDEFGHIJKLMNOPQRSTUVWXYZ", run_dirs):
+        lines = read_metrics(run_dir)
+        curves[mark] = curve = return_curve(lines)
+        last = lines[-1]
+        figures = [f"{last['step']:,} steps", f"{last['server/policy_version']:,} learns",
+                   f"{sum(line['server/discarded'] for line in lines):,} discarded",
+                   f"{sum(line['rollout/episodes'] for line in lines):,} episodes"]
+        if curve:
+            figures += [f"last 100 episodes {curve[-1][1]:.2f}",
+                        f"best {max(mean for _, mean in curve):.2f}"]
+        if reach is not None:
+            step = next((step for step, mean in curve if mean >= reach), None)
+            figures.append(f"{reach:g} never reached" if step is None else
+                           f"{reach:g} reached at step {step:,}")
+        rows.append(f"{mark} {run_dir}: " + " | ".join(figures))
+    return "\n".join(rows + [text_chart(curves)])
+
+
+def text_chart(curves: dict, rows: int = 12, width: int = 60) -> str:
+    """The runs' curves on the same axes, each drawn with its mark: return against steps."""
+    points = [point for curve in curves.values() for point in curve]
+    if not points:
+        return "no episode finished: nothing to chart"
+    steps, means = zip(*points)
+    right, low, high = max(steps) or 1, min(means), max(means)
+    grid = [[" "] * width for _ in range(rows)]
+    for mark, curve in curves.items():
+        for step, mean in curve:
+            row = round((rows - 1) * (high - mean) / ((high - low) or 1))
+            column = round((width - 1) * step / right)
+            grid[row][column] = mark if grid[row][column] in (" ", mark) else "*"  # *: several
+    labels = [f"{high:10.2f}", *[" " * 10] * (rows - 2), f"{low:10.2f}"]
+    return "\n".join(["mean return of the last 100 episodes, by step",
+                      *(f"{label} |{''.join(cells)}" for label, cells in zip(labels, grid)),
+                      f"{'':10} +{'-' * width}", f"{'':10} 0{right:>{width},}"])
+
+
+# --- How many threads a learn gets: one, or all, whichever is faster now ------------------------
+
+class LearnThreads:
+    """How many torch threads each learn() gets: --learn-threads N, or the faster of 1 and all.
+    All threads learn faster on idle cores, but each waits, spinning, for the others after every
+    operation: once another process takes a core, learns get two to a hundred times slower. So
+    blocks of learns are timed (per frame: a learn's work grows with the frames it follows), on
+    one thread first, then on all; the other count is tried again after 1 s of learning (twice
+    as long after each try that lost), or at once when a block is 1.5x slower than the last."""
+
+    BLOCK = 11  # learns per timed block; the first waits for sleeping threads: not counted
+
+    def __init__(self, fixed: int | None, most: int = 1):
+        self.counts = [fixed] if fixed else sorted({1, most})
+        self.current = self.counts[0]  # one thread first: the safe choice on a busy machine
+        self.trying = None  # the other count, while a block of it is timed
+        self.cost, self.block = {}, []  # count -> seconds per frame; this block's (s, frames)
+        self.learning, self.try_at, self.wait = 0.0, 0.0, 1.0  # seconds of learning: the clock
+        self.fastest, self.warned, self.last = math.inf, False, (0.0, 1)  # last: for progress
+
+    def choose(self) -> int:
+        """The thread count for the next learn."""
+        return self.trying or self.current
+
+    def record(self, threads: int, seconds: float, frames: int) -> str | None:
+        """Time one learn; a warning, once, when learns got much slower than at their fastest."""
+        self.last = (seconds, threads)
+        if not frames:  # a learn again, with no frame since: none of its work is the frames'
+            return None
+        self.learning += seconds
+        self.block.append((seconds, frames))
+        counted = self.block[1:]
+        cost = sum(s for s, _ in counted) / max(sum(f for _, f in counted), 1)
+        trying = self.trying is not None
+        losing = trying and len(counted) >= 2 and cost > 1.5 * self.cost[self.current]  # stop it
+        if len(self.block) < self.BLOCK and not losing:
+            return None
+        self.block = []
+        if trying:  # a tried count must be clearly faster to take over
+            won = cost < 0.95 * self.cost[self.current]
+            self.current, self.trying = self.trying if won else self.current, None
+            # After a win, the old count is tried again soon: a win by chance costs little.
+            self.wait = 1.0 if won else min(2 * self.wait, 160.0)
+            self.try_at = self.learning + self.wait
+            return None
+        slower = cost > 1.5 * self.cost.get(threads, math.inf)
+        self.cost[threads] = cost
+        if len(self.counts) > 1 and (slower or self.learning >= self.try_at):
+            self.trying = next(count for count in self.counts if count != self.current)
+        self.fastest = min(self.fastest, cost)
+        if cost < 3 * self.fastest or self.warned:
+            return None
+        self.warned = True
+        return (f"learns now take {cost / self.fastest:.1f}x as long as at their fastest: is the "
+                "machine busy? Try --learn-threads 1, or fewer processes beside this one")
+
+
+# --- Several learners: the ranks of a torch.distributed launch ---------------------------------
+
+class Ranks:
+    """The ranks of a torch.distributed.run launch: rank 0 sends orders (learn, stop) as
+    plugrl_min frames, over a gloo group of their own without a time limit (a learner waits as
+    long as the server idles). A dead rank's sockets close: the others' next call fails."""
+
+    def __init__(self):
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.orders = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=3650))
+
+    def broadcast(self, order: dict | None = None) -> dict:
+        """Rank 0's order to every rank (the others pass none): its length, then its frame."""
+        frame = b"" if order is None else pack_message(order)
+        length = torch.tensor([len(frame)])
+        dist.broadcast(length, 0, group=self.orders)
+        data = torch.frombuffer(bytearray(frame), dtype=torch.uint8) if frame else torch.empty(
+            int(length), dtype=torch.uint8)
+        dist.broadcast(data, 0, group=self.orders)
+        return unpack_message(data.numpy().tobytes())
+
+    def send_learn(self, algo: DDPAlgorithm, threads: int) -> None:
+        """Rank 0, right before its learn: get_server_data() for every other rank."""
+        global_step, meta_info, data = algo.get_server_data()
+        self.broadcast({"order": "learn", "threads": threads, "global_step": global_step,
+                        "meta_info": meta_info, "data": data})
+
+
+def serve_as_learner(algo: DDPAlgorithm, ranks: Ranks) -> int:
+    """Every rank but 0: learn in step with rank 0 at each of its orders, until it says stop."""
+    for signum in (signal.SIGINT, signal.SIGTERM):  # rank 0 alone ends the run, with a checkpoint
+        signal.signal(signum, signal.SIG_IGN)
+    print(f"rank {ranks.rank} of {ranks.size} (pid {os.getpid()}): learning with rank 0",
+          flush=True)
+    while True:
+        try:
+            order = ranks.broadcast()
+        except RuntimeError as error:
+            print(f"rank {ranks.rank}: rank 0 is gone ({str(error).splitlines()[0]})",
+                  file=sys.stderr)
+            return 1
+        if order["order"] == "stop":
+            print(f"rank {ranks.rank}: rank 0 ended the run", flush=True)
+            return 0
+        torch.set_num_threads(order["threads"])
+        algo.load_server_data(order["global_step"], order["meta_info"], order["data"])
+        algo.pre_learn()
+        algo.learn()
+        algo.post_learn()
 
 
 # --- Input checks: a first reading skips these ------------------------------------------------
@@ -1427,13 +1710,12 @@ def _leaves(tree: dict, path: str = ""):
 # PlugRL page: the client of its smoke test (plugrl-run-env-client dummy-v1).
 
 class VecEnv:
-    """num_envs environments stepped together in numpy; every built-in environment is one.
+    """num_envs environments stepped together in numpy; every built-in environment is one. A
+    subclass sets obs_spec, action_dim (or num_actions) and max_steps, and writes _reset(rows),
+    _step(action, rows) -> (reward, terminated, success) and _observe(); see register_env."""
 
-    A subclass sets obs_dim, action_dim (or num_actions) and max_steps, and writes _reset(rows),
-    _step(action, rows) -> (reward, terminated, success) and _observe(); see register_env.
-    """
-
-    obs_dim, action_dim = 3, 1
+    obs_spec = {"state": ((3,), "float32")}  # key -> (shape, dtype): what _observe() returns
+    action_dim = 1
     num_actions = None  # None: continuous actions in [-1, 1]; else int64 choices 0..num_actions-1
     max_steps = 10**9  # truncation after this many physical steps
 
@@ -1448,7 +1730,7 @@ class VecEnv:
         self._reset(rows)
         self.episode_return[rows], self.episode_length[rows] = 0, 0
         self.terminated[rows], self.truncated[rows], self.success[rows] = False, False, False
-        return {"state": self._observe()}
+        return self._observe()
 
     def step(self, action, active=None) -> tuple:
         """One physical step of the active environments (the others stand still, reward 0)."""
@@ -1465,7 +1747,7 @@ class VecEnv:
         episode = {"r": np.where(done, self.episode_return, 0).astype(np.float32),
                    "l": np.where(done, self.episode_length, 0), "s": done & self.success,
                    "mask": done}
-        return ({"state": self._observe()}, reward, self.terminated.copy(), self.truncated.copy(),
+        return (self._observe(), reward, self.terminated.copy(), self.truncated.copy(),
                 {"episode": episode})
 
 
@@ -1488,7 +1770,8 @@ class DummyEnv(VecEnv):
         return -distance, distance < 0.05, distance < 0.05  # reaching the target: a success
 
     def _observe(self):
-        return np.stack([self.x, self.target, self.target - self.x], axis=1).astype(np.float32)
+        state = np.stack([self.x, self.target, self.target - self.x], axis=1)
+        return {"state": state.astype(np.float32)}
 
 
 @register_env("pendulum-v1")
@@ -1518,15 +1801,15 @@ class PendulumEnv(VecEnv):
         return -cost, np.zeros(len(rows), bool), np.abs(upright) < 0.1
 
     def _observe(self):
-        obs = [np.cos(self.theta), np.sin(self.theta), self.theta_dot]
-        return np.stack(obs, axis=1).astype(np.float32)
+        state = np.stack([np.cos(self.theta), np.sin(self.theta), self.theta_dot], axis=1)
+        return {"state": state.astype(np.float32)}
 
 
 @register_env("cartpole-v1")
 class CartPoleEnv(VecEnv):
     """cartpole-v1: Gymnasium's CartPole-v1 in numpy. obs [x, x', θ, θ']; action 0 pushes left."""
 
-    obs_dim, num_actions = 4, 2
+    obs_spec, num_actions = {"state": ((4,), "float32")}, 2
     max_steps = 500  # lasting this long is a success; random actions last about 22 steps
 
     def __init__(self, num_envs, seed=None):
@@ -1555,14 +1838,14 @@ class CartPoleEnv(VecEnv):
         return np.ones(len(rows)), fallen, ~fallen
 
     def _observe(self):
-        return self.state.astype(np.float32)
+        return {"state": self.state.astype(np.float32)}
 
 
 @register_env("counting-v1")
 class CountingEnv(VecEnv):
     """counting-v1: obs = physical steps this episode, reward 1 a step; env i ends at 4 + i."""
 
-    obs_dim = 1
+    obs_spec = {"state": ((1,), "float32")}
 
     def _reset(self, rows):
         pass  # the count is VecEnv's episode_length
@@ -1572,7 +1855,7 @@ class CountingEnv(VecEnv):
         return np.ones(len(rows)), ended, np.ones(len(rows), bool)
 
     def _observe(self):
-        return self.episode_length[:, None].astype(np.float32)
+        return {"state": self.episode_length[:, None].astype(np.float32)}
 
 
 class GymEnv(VecEnv):
@@ -1593,9 +1876,10 @@ class GymEnv(VecEnv):
         else:
             raise SystemExit(f"gym:{env_id} has a {type(space).__name__} action space; "
                              "plugrl_min runs Box and Discrete ones")
-        self.obs_dim = int(np.prod(made[0].observation_space.shape))
+        size = int(np.prod(made[0].observation_space.shape))
+        self.obs_spec = {"state": ((size,), "float32")}  # flattened
         self.max_steps = made[0].spec.max_episode_steps or 10**9
-        self.last = np.zeros((num_envs, self.obs_dim), np.float32)  # each one's last observation
+        self.last = np.zeros((num_envs, size), np.float32)  # each one's last observation
         super().__init__(num_envs, seed)
 
     def _reset(self, rows):
@@ -1617,7 +1901,7 @@ class GymEnv(VecEnv):
         return reward, terminated, success
 
     def _observe(self):
-        return self.last.copy()
+        return {"state": self.last.copy()}
 
 
 def action_space(action_dim: int, num_actions: int | None) -> str:
@@ -1640,10 +1924,7 @@ def make_env(env_id: str, num_envs: int = 1, seed: int | None = None) -> VecEnv:
 
 class Controller:
     """A low-level controller: at every physical step, (obs, decision, state) -> (action, state).
-
-    A state is an array or a dict of arrays, one row per environment. Only the rows of the
-    environments still running are passed in; the rows that come back are stored.
-    """
+    A state is an array or a dict of arrays, one row per environment; only running rows go in."""
 
     decision_dim = 1
 
@@ -1729,13 +2010,10 @@ class MultiAction:
 
     def execute_decision(self, steps: int, physical_action) -> tuple:
         """The inner loop of both executors: up to `steps` physical steps of one decision.
-
         physical_action(t, obs, active) gives the action [n, ...] of step t. An environment that
-        ends stops for the rest of the decision: its observation and flags stay its last step's.
-        """
+        ends stops for the rest of the decision: its observation and flags stay its last step's."""
         n = self.env.num_envs
-        active = np.ones(n, bool)
-        executed = np.zeros(n, np.int64)
+        active, executed = np.ones(n, bool), np.zeros(n, np.int64)
         rewards = np.zeros((n, steps), np.float32)  # a stopped environment earns 0
         seen = []  # the observation after every physical step
         episode = None
@@ -1763,15 +2041,6 @@ class MultiAction:
         return obs, reward, terminated, truncated, {"episode": episode, "executed_steps": executed}
 
 
-def _put_rows(tree, rows, values) -> None:
-    # tree[rows] = values, in place, for an array or a nested dict of arrays (see slice_rows).
-    if isinstance(tree, dict):
-        for key in tree:
-            _put_rows(tree[key], rows, values[key])
-    else:
-        tree[rows] = values
-
-
 class ClosedLoopMultiAction(MultiAction):
     """Closed loop: a decision held for `steps` steps, acted out by a controller on fresh obs."""
 
@@ -1787,7 +2056,7 @@ class ClosedLoopMultiAction(MultiAction):
         """Reset all or some environments, and their controller state; every observation."""
         rows = slice(None) if indices is None else np.asarray(indices, np.int64)
         fresh = self.controller.initial_state(self.env.num_envs)
-        _put_rows(self.state, rows, slice_rows(fresh, rows))
+        put_rows(self.state, rows, slice_rows(fresh, rows))
         return super().reset(indices)
 
     def step(self, decision) -> tuple:
@@ -1802,7 +2071,7 @@ class ClosedLoopMultiAction(MultiAction):
             rows = np.flatnonzero(active)
             action, state = self.controller(slice_rows(obs, rows), decision[rows],
                                             slice_rows(self.state, rows))
-            _put_rows(self.state, rows, state)
+            put_rows(self.state, rows, state)
             full = np.zeros_like(action, shape=(self.env.num_envs, *np.shape(action)[1:]))
             full[rows] = action
             return full
@@ -1848,12 +2117,16 @@ def check_metadata(meta: dict, executor, closed_loop: bool) -> None:
     if meta.get("message_type") != "metadata" or meta.get("protocol_version") != PROTOCOL_VERSION:
         raise SystemExit(f"the server speaks protocol {meta.get('protocol_version')}, "
                          f"this client {PROTOCOL_VERSION}")
-    mine = {"state": {"shape": [executor.env.obs_dim], "dtype": "<f4"}}
-    reads = {key: {"shape": spec["shape"], "dtype": np.dtype(spec["dtype"]).str}  # <f4 = float32
+    reads = {key: f"{np.dtype(spec['dtype']).name} {list(spec['shape'])}"  # "<f4" or "float32"
              for key, spec in meta["obs_spec"].items()}
-    if reads != mine:
-        raise SystemExit(f"the server's policy does not fit this environment: it reads {reads}, "
-                         f"this environment gives {mine} (see --policy.obs-dim)")
+    gives = {key: f"{np.dtype(dtype).name} {list(shape)}"
+             for key, (shape, dtype) in executor.env.obs_spec.items()}
+    for key in sorted(reads.keys() | gives.keys()):  # the first key that differs, by name
+        if reads.get(key) != gives.get(key):
+            raise SystemExit(f"the server's policy does not fit this environment: observation "
+                             f"{key!r}: the policy reads {reads.get(key, 'nothing')}, this "
+                             f"environment gives {gives.get(key, 'nothing')} "
+                             "(see --policy.obs-dim)")
     theirs = action_space(meta["action_dim"], meta.get("num_actions"))
     needed = (action_space(executor.controller.decision_dim, None) if closed_loop
               else action_space(executor.env.action_dim, executor.env.num_actions))
@@ -1970,8 +2243,7 @@ def _choose(table, kind: str, uid: str, variant: str):
 def fitting_env(policy: BaseTorchPolicy) -> str | None:
     """The first registered environment whose observations and actions fit the policy."""
     space = action_space(policy.action_dim, policy.num_actions)
-    return next((env_id for env_id, env in ENVIRONMENTS.items()
-                 if policy.obs_spec == {"state": ((env.obs_dim,), "float32")}
+    return next((env_id for env_id, env in ENVIRONMENTS.items() if env.obs_spec == policy.obs_spec
                  and action_space(env.action_dim, env.num_actions) == space), None)
 
 
@@ -1990,6 +2262,7 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
     if len(words) < 4 or any(word.startswith("-") for word in words):  # --help alone lands here
         print("usage: python plugrl_min.py POLICY VARIANT ALGO VARIANT [flags; --help lists them]\n"
               "       python plugrl_min.py env-client ENV_ID [flags; --help lists them]\n"
+              "       python plugrl_min.py report RUN_DIR [RUN_DIR ...] [--reach R]\n"
               "--plugin MODULE, anywhere on the line, imports a plug-in first\n\n"
               f"policies: {_registered(_POLICY_CONFIGS)}\n"
               f"algorithms: {_registered(_ALGO_CONFIGS)}\n"
@@ -2014,53 +2287,79 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
     add("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
     add("--seed", type=int, help="seeds torch and numpy on the server (and local clients)")
     add("--local-env-clients", type=int, default=0, metavar="N", help="start N env clients too")
-    add("--local-env", metavar="ENV_ID",
-        help="environment of the local env clients (default: the first that fits the policy)")
+    add("--local-env", metavar="ENV_ID", help="their environment (default: the first that fits)")
     add("--local-num-envs", type=int, default=1, metavar="M", help="environments per local client")
+    add("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="auto: cuda if any")
+    add("--learn-threads", type=int, metavar="N",
+        help="torch threads per learn (default: 1 or all, whichever learns faster, timed anew)")
+    add("--log-every", type=int, default=1000, metavar="F", help="steps between metrics lines")
     add("--trace", type=int, default=0, metavar="N", help="narrate the first N frames and learns")
     add("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help="larger frames close")
-    add("--feedback-timeout", type=float, default=60.0,
-        help="drop a client silent this long while it owes feedback (seconds)")
-    add("--token", default=os.environ.get("PLUGRL_TOKEN"),
-        help="clients must present this token (default: $PLUGRL_TOKEN)")
+    add("--feedback-timeout", type=float, default=60.0, help="seconds a client may owe feedback")
+    add("--token", default=os.environ.get("PLUGRL_TOKEN"), help="default: $PLUGRL_TOKEN")
     args = parser.parse_args(argv[4:])
     for prefix, config in configs.items():
         for field in dataclasses.fields(config):
             setattr(config, field.name, getattr(args, f"{prefix}.{field.name}"))
     policy_config, algo_config = configs["policy"], configs["algo"]
-    shared = ({field.name for field in dataclasses.fields(policy_config)}
-              & {field.name for field in dataclasses.fields(algo_config)})
-    for name in sorted(shared):
-        print(f"warning: {name!r} is in both the policy and the algorithm config: keep it in one",
-              file=sys.stderr)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.token:
-        print(f"warning: serving on {args.host} without --token: anyone who can reach it can "
-              "connect", file=sys.stderr)
-
-    run_dir = args.run_dir or os.path.join("runs", f"{words[2]}-{time.strftime('%Y%m%d-%H%M%S')}")
     resolved = dict(zip(("policy", "policy_variant", "algorithm", "algo_variant"), words),
                     policy_config=dataclasses.asdict(policy_config),
                     algo_config=dataclasses.asdict(algo_config), seed=args.seed)
-    print(json.dumps(resolved, indent=2), flush=True)
+    rank = int(os.environ.get("RANK", "0"))  # torch.distributed.run sets these three
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    for name in sorted(resolved["policy_config"].keys() & resolved["algo_config"].keys()):
+        print(f"warning: {name!r} is in both the policy and the algorithm config: keep it in one",
+              file=sys.stderr)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.token and rank == 0:
+        print(f"warning: serving on {args.host} without --token: anyone who can reach it can "
+              "connect", file=sys.stderr)
+    algo_class = _ALGOS.get(words[2])  # unregistered: make_algo says so, as the page shows
+    if world > 1 and algo_class and not issubclass(algo_class, DDPAlgorithm):  # the page's row
+        hooks = [name for name in vars(DDPAlgorithm) if name in DDPAlgorithm.__abstractmethods__]
+        lacking = [hook for hook in hooks if not hasattr(algo_class, hook)]  # in the page's order
+        print(f"error: {world} ranks need a DDPAlgorithm; {words[2]!r} is a BaseAlgorithm without "
+              f"{', '.join(lacking)}: run it without torch.distributed.run, or implement them",
+              file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda, but torch finds no CUDA device (torch.cuda.is_available() "
+              "is False): use --device cpu", file=sys.stderr)
+        return 2
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")  # a GPU per rank
+
+    run_dir = args.run_dir or os.path.join("runs", f"{words[2]}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if rank == 0:
+        print(json.dumps(resolved, indent=2), flush=True)
     if args.seed is not None:
         torch.manual_seed(args.seed)
         np.random.seed(args.seed)
-    # One torch thread answers the small inference batches fastest; only the learn thread uses
-    # them all. Set first: more OpenMP threads than cores make learn wait on sleeping helpers.
-    learn_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # one answers small inference batches fastest; learns choose theirs
     policy = _building(f"policy {words[0]!r} from its config", make_policy, words[0], policy_config)
+    policy.to(device)  # before the algorithm: it builds its own networks where the policy is
     algo = _building(f"algorithm {words[2]!r} from its config", make_algo, words[2], policy,
                      algo_config)
     _building(f"the optimizers of algorithm {words[2]!r}", algo.init_optimizers)
+    if world > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    ranks = Ranks() if world > 1 else None
     counters = {}
-    if args.resume:
+    if args.resume:  # on every rank the same newest checkpoint (on several machines: one disk)
         try:
             checkpoint, counters = load_newest_checkpoint(run_dir)
         except FileNotFoundError as error:
             raise SystemExit(f"error: {error}") from None
-        algo.load_checkpoint(checkpoint)
-        print(f"resumed from step {checkpoint.step} in {run_dir}", flush=True)
+        if rank == 0:
+            algo.load_checkpoint(checkpoint)
+            print(f"resumed from step {checkpoint.step} in {run_dir}", flush=True)
+        else:  # the other ranks only learn: weights, optimizers and counters
+            algo.load_learner_state(checkpoint)
+    if ranks is not None:  # after the checkpoints: DDP starts every rank from rank 0's weights
+        device_ids = [device.index] if device.type == "cuda" else None
+        algo.activate_ddp(DistributedDataParallel(policy, device_ids=device_ids))
+    if rank > 0:
+        return serve_as_learner(algo, ranks)
     local_env = args.local_env or fitting_env(policy)
     if args.local_env_clients and local_env is None:
         raise SystemExit("error: no registered environment fits this policy: name one with "
@@ -2070,8 +2369,8 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
         json.dump(resolved, file, indent=2)
     server = Server(algo, run_dir, (words[0], words[2]), max_message_bytes=args.max_message_bytes,
                     feedback_timeout=args.feedback_timeout, token=args.token,
-                    learn_threads=learn_threads, trace=args.trace, **counters)
-    clients = []
+                    learn_threads=args.learn_threads, log_every=args.log_every,
+                    trace=args.trace, ranks=ranks, **counters)
 
     def start_clients(port: int) -> None:
         client_args = ["env-client", local_env or "ENV_ID", "--server-port", str(port),
@@ -2082,11 +2381,17 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
                   f"  python {os.path.basename(__file__)} {' '.join(client_args)}\n"
                   "or run this server with --local-env-clients 1 to do both in one command",
                   flush=True)
-        for i in range(args.local_env_clients):
-            seed = [] if args.seed is None else ["--seed", str(args.seed + i)]
+        for i in range(1, args.local_env_clients + 1):
+            seed = [] if args.seed is None else ["--seed", str(args.seed + i - 1)]
             command = [sys.executable, os.path.abspath(__file__), *client_args, *seed]
-            clients.append(subprocess.Popen(command, stdout=subprocess.DEVNULL,
-                                            env={**os.environ, "PLUGRL_TOKEN": args.token or ""}))
+            log_path = os.path.join(run_dir, f"env-client-{i}.log")
+            with open(log_path, "w") as log:
+                # A session of its own: signals for the server (Ctrl-C, timeout) stay with it,
+                # and the client hears of the end from the server, as every client does.
+                process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True,
+                                           env={**os.environ, "PLUGRL_TOKEN": args.token or ""})
+            server.local_clients.append((i, process, log_path))
 
     try:
         return asyncio.run(server.run(args.host, args.port, start_clients))
@@ -2094,11 +2399,27 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
         raise SystemExit(f"error: cannot listen on {args.host}:{args.port}: "
                          f"{error.strerror or error}") from None
     finally:
-        for client in clients:
+        for _, client, _ in server.local_clients:
             try:
                 client.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 client.kill()
+
+
+def report_main(argv: list[str]) -> int:
+    """python plugrl_min.py report RUN_DIR [RUN_DIR ...] [--reach R]"""
+    parser = argparse.ArgumentParser(prog="python plugrl_min.py report",
+                                     description="Compare runs from their metrics.jsonl.")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    parser.add_argument("--reach", type=float, metavar="R",
+                        help="also the first step at which the last-100 mean reached R")
+    args = parser.parse_args(argv)
+    try:
+        print(report(args.run_dirs, args.reach))
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def env_client_main(argv: list[str]) -> int:
@@ -2153,7 +2474,7 @@ def import_plugins(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The command line: the server, or env-client; exits with the status."""
+    """The command line: the server, env-client or report; exits with the status."""
     plugins, argv = import_plugins(list(sys.argv[1:] if argv is None else argv))
     try:  # sac is an example plug-in that ships beside this file
         importlib.import_module("sac_example")
@@ -2162,6 +2483,8 @@ def main(argv: list[str] | None = None) -> None:
             raise
     if argv[:1] == ["env-client"]:
         sys.exit(env_client_main(argv[1:]))
+    if argv[:1] == ["report"]:
+        sys.exit(report_main(argv[1:]))
     sys.exit(server_main(argv, plugins))
 
 

@@ -127,10 +127,11 @@ class ReplayBuffer:
         self.next = (i + 1) % self.capacity
         self.size = min(self.size + 1, self.capacity)
 
-    def sample(self, batch_size: int) -> list[torch.Tensor]:
+    def sample(self, batch_size: int, device: torch.device) -> list[torch.Tensor]:
         """obs [B, ...], action [B, H * action_dim], reward [B], next_obs [B, ...], done [B]."""
         rows = torch.randint(self.size, (batch_size,))
-        obs, action, reward, next_obs, done = (t.index_select(0, rows) for t in self.tensors)
+        obs, action, reward, next_obs, done = (t.index_select(0, rows).to(device)  # CPU: no copy
+                                               for t in self.tensors)
         return [obs, action.flatten(1), reward, next_obs, done]
 
 
@@ -140,7 +141,10 @@ class ReplayBuffer:
 class SAC(BaseAlgorithm):
     """Off-policy SAC: every frame goes to the replay buffer; one update per frame after
     learning_starts. Counters: global_step (frames stored), updates (update slots used, one per
-    frame past learning_starts), saved_at (updates at the last checkpoint).
+    frame past learning_starts), saved_at (updates at the last checkpoint). Not a DDPAlgorithm:
+    it learns after every frame, and shipping the replay buffer to other ranks would cost more
+    than the update. The buffer stays in host memory (with --device cuda too): feedback writes
+    one row in numpy, each update moves one batch to the device.
     """
 
     on_policy = False  # a replay-buffer learner: the server hands it every frame, stale or not
@@ -154,14 +158,15 @@ class SAC(BaseAlgorithm):
         self.action_size = action.size  # the critic sees the whole action chunk, flattened
         self.buffer = ReplayBuffer(config.buffer_size, self.obs_shape, action.shape, action.dtype)
         in_dim = math.prod(self.obs_shape) + self.action_size
-        self.critic = TwinQ(in_dim, config.q_hidden_size)
-        self.critic_target = TwinQ(in_dim, config.q_hidden_size)
+        self.device = policy.device  # --device: the networks live there, as the actor does
+        self.critic = TwinQ(in_dim, config.q_hidden_size).to(self.device)
+        self.critic_target = TwinQ(in_dim, config.q_hidden_size).to(self.device)
         self.critic_target.load_state_dict(self.critic.state_dict())
         self.critic_target.requires_grad_(False)  # moved by the soft update, not by gradients
         self.target_entropy = -float(self.action_size)  # CleanRL's -prod(action_shape)
         # log alpha is learned, not alpha, so alpha = exp(log_alpha) stays positive.
         start = 0.0 if config.autotune else math.log(config.alpha)
-        self.log_alpha = torch.tensor([start], requires_grad=config.autotune)
+        self.log_alpha = torch.tensor([start], device=self.device, requires_grad=config.autotune)
         self.last = {}  # the newest loss tensors; read as floats every log_every updates only
         self.q_optimizer = self.actor_optimizer = None  # built by init_optimizers()
 
@@ -215,13 +220,12 @@ class SAC(BaseAlgorithm):
                 self.update()
         if self.updates // self.config.log_every == logged or not self.last:
             return self.global_step, {}
-        logs = {f"train/{key}": value.item() for key, value in self.last.items()}
-        return self.global_step, {**logs, "train/updates": self.updates}
+        return self.global_step, {f"train/{key}": value.item() for key, value in self.last.items()}
 
     def update(self) -> None:
         """One SAC step on one sampled batch: the critics always, the actor and alpha delayed."""
         cfg = self.config
-        obs, action, reward, next_obs, done = self.buffer.sample(cfg.batch_size)
+        obs, action, reward, next_obs, done = self.buffer.sample(cfg.batch_size, self.device)
         alpha = self.log_alpha.detach().exp()  # a tensor: no .item(), a host read, per step
         with torch.no_grad():
             next_action, next_log_prob = self.policy.sample(next_obs)
@@ -267,20 +271,16 @@ class SAC(BaseAlgorithm):
     def create_checkpoint(self) -> Checkpoint:
         """The actor, both optimizers; critics, targets, log alpha and counters in meta."""
         self.saved_at = self.updates
-        optimizers = {"q": self.q_optimizer.state_dict(),
-                      "actor": self.actor_optimizer.state_dict()}
+        optimizer = {"q": self.q_optimizer.state_dict(), "actor": self.actor_optimizer.state_dict()}
         meta = {"updates": self.updates, "saved_at": self.saved_at,
-                "critic": self.critic.state_dict(),
-                "critic_target": self.critic_target.state_dict(),
-                "log_alpha": self.log_alpha.detach().clone()}
+                "log_alpha": self.log_alpha.detach().clone(), "critic": self.critic.state_dict(),
+                "critic_target": self.critic_target.state_dict()}
         return Checkpoint(step=self.global_step, model=self.policy.state_dict(),
-                          optimizer=optimizers, meta=meta)
+                          optimizer=optimizer, meta=meta)
 
     def load_checkpoint(self, checkpoint: Checkpoint) -> None:
-        """Restore weights, optimizers and every counter, so --resume keeps the schedule.
-
-        The replay buffer is not saved (up to buffer_size frames); it refills after a resume.
-        """
+        """Weights, optimizers and every counter, so --resume keeps the schedule. The replay
+        buffer is not saved (up to buffer_size frames); it refills after a resume."""
         super().load_checkpoint(checkpoint)  # global_step and the actor
         meta = checkpoint.meta
         self.updates = int(meta["updates"])
