@@ -26,6 +26,7 @@ chosen, and report, the figure every table of README.md quotes (6).
 import abc
 import argparse
 import asyncio
+import atexit
 import concurrent.futures
 import dataclasses
 import datetime
@@ -2343,6 +2344,7 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
     _building(f"the optimizers of algorithm {words[2]!r}", algo.init_optimizers)
     if world > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        atexit.register(dist.destroy_process_group)  # left to exit, gloo can abort (SIGABRT)
     ranks = Ranks() if world > 1 else None
     counters = {}
     if args.resume:  # on every rank the same newest checkpoint (on several machines: one disk)
