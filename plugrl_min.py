@@ -234,11 +234,9 @@ class Checkpoint:
 
 def map_arrays(function, tree):
     """function(array) for every array of a nested dict (or a lone array); None stays None."""
-    if tree is None:
-        return None
     if isinstance(tree, dict):
         return {key: map_arrays(function, value) for key, value in tree.items()}
-    return function(tree)
+    return None if tree is None else function(tree)
 
 
 def slice_rows(tree, rows):
@@ -756,16 +754,14 @@ class PG(DDPAlgorithm):
         """Store the frame in the next row, and link it after its environment's previous one."""
         self.record_finished_episode(info, next_terminated, next_truncated)
         row, batch = self.stored, self.batch
-        for key in obs:
-            batch["obs"][key][row] = obs[key]
-            batch["next_obs"][key][row] = next_obs[key]
+        put_rows(batch["obs"], row, obs)
+        put_rows(batch["next_obs"], row, next_obs)
         batch["sample"][row] = train_state["sample"]
         batch["reward"][row] = np.sum(reward)  # a stacked reward, one per physical step: its sum
         batch["terminated"][row] = next_terminated
         batch["successor"][row] = -1
-        # prev_node is what this returned for the environment's previous stored frame. No link
-        # if this frame begins an episode (terminated/truncated are the previous frame's flags),
-        # or if the node names an earlier batch: the previous frame was stored before a learn.
+        # No link if this frame begins an episode (terminated/truncated are the previous frame's
+        # flags), or if prev_node names an earlier batch: that frame was stored before a learn.
         previous, batch_id = prev_node
         if previous >= 0 and batch_id == str(self.learns) and not (terminated or truncated):
             batch["successor"][previous] = row
@@ -926,7 +922,6 @@ class Connection:
     ws: typing.Any
     number: int  # for the trace: connections in the order they came
     slots: dict = dataclasses.field(default_factory=dict)  # env index -> EnvSlot
-    owed: int = 0  # environments given an action that sent no feedback yet
     heard_at: float = 0.0  # its last feedback, or the last action sent to it: the timeout clock
 
 
@@ -1011,8 +1006,7 @@ class Server:
         kind, env_ids = check_message(message, self.obs_spec)
         if kind == "infer":
             # The plain form, conn.slots.setdefault(i, EnvSlot()), builds a slot at every call.
-            slots = [conn.slots[i] if i in conn.slots else conn.slots.setdefault(i, EnvSlot())
-                     for i in env_ids]
+            slots = [conn.slots.get(i) or conn.slots.setdefault(i, EnvSlot()) for i in env_ids]
             for i, slot in zip(env_ids, slots):
                 if slot.waiting or slot.step is not None:
                     owes = "waits for its last action" if slot.waiting else "owes feedback"
@@ -1027,7 +1021,6 @@ class Server:
                                 "answer", "send feedback only for environments given an action")
         for slot in slots:
             slot.step = None
-        conn.owed -= len(slots)
         conn.heard_at = time.monotonic()
         m = len(slots)
         reward = message["reward"]
@@ -1085,13 +1078,12 @@ class Server:
         while True:
             await self.wake.wait()
             self.wake.clear()
-            inbox = self.inbox
-            self.inbox = []
-            for item in inbox:
+            for item in self.inbox:  # no await in this loop: no message can arrive during it
                 if isinstance(item, FeedbackMessage):
                     self.route_feedback(item)
                 else:
                     self.waiting.append(item)
+            self.inbox = []
             # No inference while should_learn() is true: learn() runs in another thread and
             # changes the weights infer() reads, and an action drawn now would come from a policy
             # about to be replaced (an on-policy learner would only discard its frame). If
@@ -1118,16 +1110,15 @@ class Server:
             return
         obs = {key: np.concatenate([request.obs[key] for request in requests])
                for key in self.obs_spec}
+        n = sum(len(request.env_indices) for request in requests)
         action, runtime_state = self.algo.infer(obs)
-        action = check_action(action, len(obs[next(iter(obs))]), self.action_shape,
-                              self.action_dtype)
-        n = len(action)
+        action = check_action(action, n, self.action_shape, self.action_dtype)
         train_state = self.algo.derive_train_state(runtime_state)
         # Each environment's rows, cut once for the whole batch (views, not copies).
         batch = InferBatch(self.version, action, split_rows(obs, n), split_rows(runtime_state, n),
                            split_rows(train_state, n))
         self.infer_calls += 1
-        self.inferred_envs += len(action)
+        self.inferred_envs += n
         now = time.monotonic()
         row = 0
         for request in requests:
@@ -1137,7 +1128,6 @@ class Server:
                 slot.waiting = False
                 slot.step = StepState(batch, row)
                 row += 1
-            request.conn.owed += row - first
             request.conn.heard_at = now
             reply = {"message_type": "action", "env_indices": request.env_indices,
                      "action": action[first:row]}
@@ -1276,7 +1266,8 @@ class Server:
         """Drop a client silent for --feedback-timeout s while it owes feedback (not learning)."""
         limit = time.monotonic() - self.feedback_timeout
         for conn in list(self.connections):
-            if conn.owed and max(conn.heard_at, self.learned_at) < limit:
+            silent = max(conn.heard_at, self.learned_at) < limit
+            if silent and any(slot.step is not None for slot in conn.slots.values()):
                 self.connections.discard(conn)  # once: the task below runs after this pass
                 error = ProtocolError(f"no feedback for {self.feedback_timeout:g} s",
                                       "send feedback after every action")
@@ -1624,10 +1615,6 @@ def is_array(value, kinds: str, shape: tuple) -> bool:
     return isinstance(value, np.ndarray) and value.dtype.kind in kinds and value.shape == shape
 
 
-EPISODE_FIELDS = (("r", "f", "float"), ("l", "iu", "int"), ("s", "b", "bool"),
-                  ("mask", "b", "bool"))
-
-
 def check_message(message: dict, obs_spec: dict) -> tuple[str, list]:
     """Check an infer or feedback message field by field: (message_type, env_indices as ints)."""
     kind = message.get("message_type")
@@ -1660,7 +1647,8 @@ def check_message(message: dict, obs_spec: dict) -> tuple[str, list]:
         episode = info["episode"]
         if not isinstance(episode, dict):
             raise mismatch("feedback.info.episode", "a dict of r, l, s and mask", episode)
-        for key, kinds, expected in EPISODE_FIELDS:
+        for key, kinds, expected in (("r", "f", "float"), ("l", "iu", "int"),
+                                     ("s", "b", "bool"), ("mask", "b", "bool")):
             value = episode.get(key, MISSING)
             if not is_array(value, kinds, (n,)):
                 raise mismatch(f"feedback.info.episode.{key}", f"{expected} [m] with m = {n}",
@@ -2225,9 +2213,7 @@ def _flag_type(hint):
 
 def _registered(table) -> str:
     """'uid (variant, ...)' for every uid of a config table."""
-    uids = {}
-    for uid, variant in table:
-        uids.setdefault(uid, []).append(variant)
+    uids = {uid: [variant for known, variant in table if known == uid] for uid, _ in table}
     return ", ".join(f"{uid} ({', '.join(variants)})" for uid, variants in sorted(uids.items()))
 
 
