@@ -33,7 +33,9 @@ import datetime
 import glob
 import hmac
 import importlib
+import importlib.util
 import io
+import itertools
 import json
 import math
 import os
@@ -41,14 +43,22 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import typing
+
+if sys.version_info < (3, 10):
+    sys.exit(f"error: plugrl_min needs Python 3.10 or newer; this is {sys.version.split()[0]}")
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import websockets
+
+if int(websockets.__version__.split(".")[0]) < 15:  # older ones lack the API below, or its flags
+    sys.exit(f"error: plugrl_min needs websockets 15 or newer; this Python has "
+             f"{websockets.__version__}: pip install -r requirements.txt")
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from websockets.asyncio.client import connect
@@ -274,11 +284,17 @@ _POLICY_CONFIGS, _POLICIES, _ALGO_CONFIGS, _ALGOS = {}, {}, {}, {}
 ENVIRONMENTS = {}  # env_id -> VecEnv subclass, for the env client (section 7)
 
 
+class RegistrationError(ValueError):
+    """A name registered twice: the command line ends on its one line, with status 2."""
+
+
 def _registrar(table: dict, key, what: str, defaults: bool = False):
     """A class decorator that stores the class (or, for a config, its defaults) under key, once."""
     def decorator(cls):
         if key in table:
-            raise ValueError(f"{what} is already registered")
+            first = (type(table[key]) if defaults else table[key]).__module__
+            raise RegistrationError(f"{what} is registered twice, by {first} and by "
+                                    f"{cls.__module__}: rename one, or load only one of them")
         table[key] = cls() if defaults else cls
         return cls
     return decorator
@@ -309,11 +325,15 @@ def register_env(env_id: str):
     return _registrar(ENVIRONMENTS, env_id, f"environment {env_id}")
 
 
+def _config(kind: str, configs: dict, uid: str, variant: str):
+    """A copy of the registered defaults of (uid, variant): flags never change the registry."""
+    if (uid, variant) not in configs:
+        raise KeyError(f"{kind} config {uid}/{variant} is not registered.")
+    return dataclasses.replace(configs[(uid, variant)])
+
+
 def _build(kind: str, classes: dict, configs: dict, uid: str, variant: str, config, **kwargs):
-    if config is None:  # a copy of the registered defaults, so flags never change the registry
-        if (uid, variant) not in configs:
-            raise KeyError(f"{kind} config {uid}/{variant} is not registered.")
-        config = dataclasses.replace(configs[(uid, variant)])
+    config = _config(kind, configs, uid, variant) if config is None else config
     if uid not in classes:  # the page's symptom when only the config module was imported
         raise KeyError(f"{kind} {uid} is not registered.")
     return classes[uid](config=config, **kwargs)
@@ -881,7 +901,9 @@ class PG(DDPAlgorithm):
 
 RUN_FINISHED = "run finished"  # the close reason that tells a client the run is over (exit 0)
 SERVER_FAILED = "server failed"  # the close reason's prefix when an algorithm hook raised
+SILENT = "client silent"  # the close reason's prefix when a client owed feedback too long
 MAX_MESSAGE_BYTES = 16 * 2**20
+CONFIG = "config.json"  # a run directory's first file, created exclusively: it marks a run
 NO_NODE = (-1, "")  # prev_node when there is no stored frame of this environment to link to
 
 
@@ -956,11 +978,13 @@ class Server:
 
     def __init__(self, algo: BaseAlgorithm, run_dir: str, names: tuple[str, str], *,
                  max_message_bytes: int = MAX_MESSAGE_BYTES, feedback_timeout: float = 60.0,
-                 token: str | None = None, global_step: int = 0, policy_version: int = 0,
+                 max_envs_per_client: int = 4096, token: str | None = None,
+                 global_step: int = 0, policy_version: int = 0,
                  learn_threads: int | None = None, log_every: int = 1000, trace: int = 0,
                  ranks=None):
         self.algo, self.run_dir, self.token = algo, run_dir, token
         self.max_message_bytes, self.feedback_timeout = max_message_bytes, feedback_timeout
+        self.max_envs = max_envs_per_client  # one client must not hold the loop for everyone
         self.log_every = log_every  # frames between lines of metrics.jsonl (at least)
         self.ranks = ranks  # the other ranks of a torch.distributed launch, or None
         self.global_step = global_step
@@ -982,7 +1006,10 @@ class Server:
         self.wake = asyncio.Event()  # set by every message, and twice a second by tick()
         self.stop_requested, self.status = False, 0  # status 1: a local env client failed
         self.signalled_at = None  # when the first SIGINT or SIGTERM came
-        self.learned_at = 0.0  # when the last learn ended: the feedback clock stood still
+        self.loop = None  # run()'s event loop, for a signal handler to wake
+        self.ended = None  # run()'s status, once it has returned
+        self.saved = []  # the checkpoints this run wrote, oldest first: pruning deletes no other
+        self.learning_seconds = 0.0  # in learns so far: the serving clock stands still in them
         self.learned_frames = 0  # self.frames then: a learn's work grows with the frames since
         self.tasks = set()  # background tasks (asyncio keeps only weak references to them)
         self.local_clients = []  # (number, process, log path) of the --local-env-clients
@@ -1006,6 +1033,11 @@ class Server:
         kind, env_ids = check_message(message, self.obs_spec)
         if kind == "infer":
             # The plain form, conn.slots.setdefault(i, EnvSlot()), builds a slot at every call.
+            if len(conn.slots) + len(env_ids) > self.max_envs and len(
+                    conn.slots.keys() | set(env_ids)) > self.max_envs:  # counted only near it
+                raise ProtocolError(f"infer: a connection may use at most {self.max_envs} "
+                                    "environments (the server's --max-envs-per-client)",
+                                    "step fewer environments per client, or start more clients")
             slots = [conn.slots.get(i) or conn.slots.setdefault(i, EnvSlot()) for i in env_ids]
             for i, slot in zip(env_ids, slots):
                 if slot.waiting or slot.step is not None:
@@ -1021,7 +1053,7 @@ class Server:
                                 "answer", "send feedback only for environments given an action")
         for slot in slots:
             slot.step = None
-        conn.heard_at = time.monotonic()
+        conn.heard_at = self.serving_clock()
         m = len(slots)
         reward = message["reward"]
         rewards = reward.tolist() if reward.ndim == 1 else list(reward)  # floats, or [k] rows
@@ -1091,9 +1123,8 @@ class Server:
             while self.algo.should_learn() and not self.stop_requested:
                 await self.learn_once()
             stop = self.stop_requested or self.algo.should_stop()
-            if stop or self.algo.should_save():  # the server's counters are saved beside
-                counters = {"global_step": self.global_step, "policy_version": self.version}
-                save_checkpoint(self.run_dir, self.algo.create_checkpoint(), counters)
+            if self.frames and (stop or self.algo.should_save()):  # none for a run of no frame
+                self.save()
             if stop:
                 return
             if self.waiting:
@@ -1112,14 +1143,17 @@ class Server:
                for key in self.obs_spec}
         n = sum(len(request.env_indices) for request in requests)
         action, runtime_state = self.algo.infer(obs)
-        action = check_action(action, n, self.action_shape, self.action_dtype)
+        action = np.asarray(action, self.action_dtype)  # as the wire sends it
+        if action.shape != (n, *self.action_shape):  # the algorithm's own bug: the run fails
+            raise RuntimeError(f"infer returned actions {list(action.shape)}, expected "
+                               f"{[n, *self.action_shape]}")
         train_state = self.algo.derive_train_state(runtime_state)
         # Each environment's rows, cut once for the whole batch (views, not copies).
         batch = InferBatch(self.version, action, split_rows(obs, n), split_rows(runtime_state, n),
                            split_rows(train_state, n))
         self.infer_calls += 1
         self.inferred_envs += n
-        now = time.monotonic()
+        now = self.serving_clock()
         row = 0
         for request in requests:
             first = row
@@ -1175,6 +1209,7 @@ class Server:
         """pre_learn, learn() in the worker thread (the event loop keeps answering), post_learn."""
         loop = asyncio.get_running_loop()
         threads = self.threads.choose()
+        started = time.monotonic()
         if self.ranks is not None:  # several ranks: each gets the batch, then all learn at once
             await loop.run_in_executor(self.learn_executor, self.ranks.send_learn, self.algo,
                                        threads)
@@ -1185,8 +1220,8 @@ class Server:
         if warning:
             print(f"\nwarning: {warning}", file=sys.stderr, flush=True)
         self.learned_frames = self.frames
-        self.learned_at = time.monotonic()
         self.algo.post_learn()
+        self.learning_seconds += time.monotonic() - started
         self.version += 1
         self.learns += 1
         if self.trace_left > 0:
@@ -1262,15 +1297,18 @@ class Server:
                 self.status = 1
                 self.request_stop()
 
+    def serving_clock(self) -> float:
+        """Seconds of serving: a clock that stands still while the server learns."""
+        return time.monotonic() - self.learning_seconds
+
     def drop_silent_clients(self) -> None:
-        """Drop a client silent for --feedback-timeout s while it owes feedback (not learning)."""
-        limit = time.monotonic() - self.feedback_timeout
+        """Drop a client that owes feedback for --feedback-timeout s of serving time."""
+        limit = self.serving_clock() - self.feedback_timeout
         for conn in list(self.connections):
-            silent = max(conn.heard_at, self.learned_at) < limit
-            if silent and any(slot.step is not None for slot in conn.slots.values()):
+            if conn.heard_at < limit and any(slot.step is not None for slot in conn.slots.values()):
                 self.connections.discard(conn)  # once: the task below runs after this pass
-                error = ProtocolError(f"no feedback for {self.feedback_timeout:g} s",
-                                      "send feedback after every action")
+                error = ProtocolError(f"{SILENT}: no feedback for {self.feedback_timeout:g} s "
+                                      "of serving", "send feedback after every action")
                 task = asyncio.create_task(self.reject(conn, error))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
@@ -1293,6 +1331,9 @@ class Server:
         """Wake the control loop twice a second: timeouts, progress and should_stop when idle."""
         while True:
             await asyncio.sleep(0.5)
+            if self.ranks is not None and self.ranks.launcher_gone() and not self.stop_requested:
+                print("\nthe launcher is gone: stopping as on SIGTERM", file=sys.stderr, flush=True)
+                self.request_stop()
             self.wake.set()
 
     def request_stop(self) -> None:
@@ -1300,39 +1341,54 @@ class Server:
         self.stop_requested = True
         self.wake.set()
 
-    def on_signal(self) -> None:
+    def on_signal(self, *_) -> None:
         """SIGINT or SIGTERM: stop cleanly. Copies within a second are the same request (timeout,
-        docker stop, Slurm and a terminal's Ctrl-C send several); a later one quits at once."""
+        docker stop, Slurm and a terminal's Ctrl-C send several); a later one quits at once.
+        A plain handler (signal.signal), installed by the command line until the process exits:
+        it runs between two lines of the loop's thread, a final save's too, and after the loop."""
         now = time.monotonic()
         if self.signalled_at is not None:
             if now - self.signalled_at < 1.0:
                 return
+            if self.ended is not None:  # the run is over and saved: nothing is left to lose
+                os._exit(self.ended)
             print("\nstopped again: exiting now, without a final checkpoint", file=sys.stderr,
                   flush=True)
             os._exit(130)
         self.signalled_at = now
         print("\nstopping: a final checkpoint once the learn in progress (if any) ends; "
               "Ctrl-C again quits without one", file=sys.stderr, flush=True)
-        self.request_stop()
-        # The final save runs on this thread; a plain handler still runs between its lines.
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, lambda *_: self.on_signal())
+        self.stop_requested = True
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.wake.set)
+
+    def save(self) -> None:
+        """A checkpoint; then this run's own older ones are pruned (the newest three stay)."""
+        counters = {"global_step": self.global_step, "policy_version": self.version}
+        path = save_checkpoint(self.run_dir, self.algo.create_checkpoint(), counters)
+        self.saved = [old for old in self.saved if old != path] + [path]
+        for old in self.saved[:-3]:
+            os.remove(old)
+        self.saved = self.saved[-3:]
 
     async def run(self, host: str, port: int, on_listening=None) -> int:
-        """Serve until should_stop() or a signal (status 0), or a local client or hook fails (1)."""
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, self.on_signal)
-        os.makedirs(self.run_dir, exist_ok=True)
-        self.tensorboard = open_tensorboard(self.run_dir)
-        with open(os.path.join(self.run_dir, "metrics.jsonl"), "a", buffering=1) as metrics_file:
-            self.metrics_file = metrics_file
-            async with serve(self.handle_client, host, port, max_size=self.max_message_bytes,
-                             compression=None, process_request=self.check_token) as server:
-                port = server.sockets[0].getsockname()[1]
-                print(f"listening on ws://{host}:{port}", flush=True)
-                if on_listening is not None:
-                    on_listening(port)
+        """Serve until should_stop() or a signal (status 0), or a local client or hook fails (1).
+        on_listening(port) runs once the port is taken, before the run directory is written."""
+        self.loop = asyncio.get_running_loop()
+        # A ping every --feedback-timeout s keeps idle connections open; a late pong closes none:
+        # drop_silent_clients is the one rule for a client that went silent.
+        async with serve(self.handle_client, host, port, max_size=self.max_message_bytes,
+                         compression=None, process_request=self.check_token,
+                         ping_interval=self.feedback_timeout, ping_timeout=None) as server:
+            address, port = server.sockets[0].getsockname()[:2]
+            print(f"listening on ws://{f'[{address}]' if ':' in address else address}:{port}",
+                  flush=True)
+            if on_listening is not None:
+                on_listening(port)
+            os.makedirs(self.run_dir, exist_ok=True)
+            self.tensorboard = open_tensorboard(self.run_dir)
+            with open(os.path.join(self.run_dir, "metrics.jsonl"), "a", buffering=1) as metrics:
+                self.metrics_file = metrics
                 ticker = asyncio.create_task(self.tick())
                 try:
                     await self.control_loop()
@@ -1345,9 +1401,9 @@ class Server:
                 # newest too; a handshake still in progress is refused (HTTP 503).
                 server.close(code=code, reason=reason)
                 await server.wait_closed()
-            if code == 1000:  # what the last learns and episodes logged is not lost
-                self.add_to_window(self.algo.build_train_info(self.global_step, {})[1])
-                self.write_metrics("end")
+                if code == 1000 and self.frames:  # what the last learns and episodes logged
+                    self.add_to_window(self.algo.build_train_info(self.global_step, {})[1])
+                    self.write_metrics("end")
         if self.tensorboard is not None:
             self.tensorboard.close()
         try:  # the other ranks are told last: a dead one cannot keep the clients waiting
@@ -1358,14 +1414,15 @@ class Server:
             status = 1
         print(f"\n{reason}: global step {self.global_step}, {self.learns} learns", flush=True)
         if code == 1000:
-            print(report([self.run_dir]), flush=True)
+            print(report([self.run_dir]) if self.frames else "no frame was served: no "
+                  "checkpoint or metrics line was written", flush=True)
+        self.ended = status
         return status
 
 
 # --- The run directory: checkpoints, metrics.jsonl, TensorBoard, the report -------------------
 
-def save_checkpoint(run_dir: str, checkpoint: Checkpoint, server_counters: dict,
-                    keep: int = 3) -> str:
+def save_checkpoint(run_dir: str, checkpoint: Checkpoint, server_counters: dict) -> str:
     """Write a checkpoint to a temporary file, then rename it: a crash never damages the last."""
     folder = os.path.join(run_dir, "checkpoints")
     os.makedirs(folder, exist_ok=True)
@@ -1380,13 +1437,12 @@ def save_checkpoint(run_dir: str, checkpoint: Checkpoint, server_counters: dict,
         raise TypeError("create_checkpoint returned a value that torch.load(weights_only=True) "
                         "refuses: keep tensors and plain Python values (numpy scalars and "
                         "arrays are the usual culprits)") from error
-    with open(path + ".tmp", "wb") as file:
+    temporary = f"{path}.{os.getpid()}.tmp"  # no other process writes this name
+    with open(temporary, "wb") as file:
         file.write(buffer.getbuffer())
         file.flush()
         os.fsync(file.fileno())
-    os.replace(path + ".tmp", path)
-    for old in sorted(glob.glob(os.path.join(folder, "step_*.pt")))[:-keep]:
-        os.remove(old)
+    os.replace(temporary, path)
     return path
 
 
@@ -1419,7 +1475,16 @@ def read_metrics(run_dir: str) -> list[dict]:
     if not os.path.isfile(path):
         raise ValueError(f"{run_dir} holds no metrics.jsonl: is it a run directory?")
     with open(path) as file:
-        lines = [json.loads(line) for line in file if line.strip()]
+        texts = file.read().splitlines()
+    lines = []
+    for number, text in enumerate(texts, 1):
+        try:
+            lines.append(json.loads(text))
+        except ValueError as error:
+            if number < len(texts):
+                raise ValueError(f"{path}, line {number}: {error}") from None
+            print(f"warning: {path}, line {number} is cut short (a run killed as it wrote?): "
+                  "skipped", file=sys.stderr)
     if not lines:
         raise ValueError(f"{path} is empty: the run has not written a line yet")
     return lines
@@ -1547,6 +1612,11 @@ class Ranks:
     def __init__(self):
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         self.orders = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=3650))
+        self.launcher = os.getppid()  # torch.distributed.run, the parent of every rank
+
+    def launcher_gone(self) -> bool:
+        """True once the launcher died (kill -9, an out-of-memory killer): this rank is adopted."""
+        return os.getppid() != self.launcher
 
     def broadcast(self, order: dict | None = None) -> dict:
         """Rank 0's order to every rank (the others pass none): its length, then its frame."""
@@ -1569,6 +1639,16 @@ def serve_as_learner(algo: DDPAlgorithm, ranks: Ranks) -> int:
     """Every rank but 0: learn in step with rank 0 at each of its orders, until it says stop."""
     for signum in (signal.SIGINT, signal.SIGTERM):  # rank 0 alone ends the run, with a checkpoint
         signal.signal(signum, signal.SIG_IGN)
+
+    def exit_when_orphaned():  # rank 0 sees the launcher gone too: its stop order comes first
+        while not ranks.launcher_gone():
+            time.sleep(0.5)
+        time.sleep(30)
+        print(f"rank {ranks.rank}: the launcher is gone, and rank 0 silent: exiting",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=exit_when_orphaned, daemon=True).start()
     print(f"rank {ranks.rank} of {ranks.size} (pid {os.getpid()}): learning with rank 0",
           flush=True)
     while True:
@@ -1594,6 +1674,7 @@ def serve_as_learner(algo: DDPAlgorithm, ranks: Ranks) -> int:
 # must be. The algorithm only ever sees messages that passed.
 
 MISSING = object()  # what message.get(field, MISSING) gives for a field left out
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def describe(value) -> str:
@@ -1642,7 +1723,7 @@ def check_message(message: dict, obs_spec: dict) -> tuple[str, list]:
     info = message.get("info", {})
     if not isinstance(info, dict):
         raise mismatch("feedback.info", "a dict of arrays [m, ...], or left out", info)
-    finite = {"feedback.reward": reward}
+    finite = {"feedback.reward": reward}  # what the algorithm stores them as: float32
     if "episode" in info:
         episode = info["episode"]
         if not isinstance(episode, dict):
@@ -1657,9 +1738,9 @@ def check_message(message: dict, obs_spec: dict) -> tuple[str, list]:
     for path, leaf in _leaves(info, "feedback.info"):
         if not (isinstance(leaf, np.ndarray) and leaf.shape[:1] == (n,)):
             raise mismatch(path, f"an array [m, ...] with m = {n}", leaf)
-    for field, array in finite.items():
-        if not np.isfinite(array).all():
-            raise ProtocolError(f"{field} holds NaN or infinity")
+    for field, array in finite.items():  # a float64 1e300 is infinity as a float32
+        if not (np.abs(array) <= _FLOAT32_MAX).all():  # NaN compares false too
+            raise ProtocolError(f"{field} holds NaN, infinity or a value beyond float32's range")
     return kind, env_ids
 
 
@@ -1676,14 +1757,6 @@ def check_obs(obs, obs_spec: dict, n: int, field: str) -> None:
         if dtype.kind == "f" and not np.isfinite(array).all():
             raise ProtocolError(f"{field}.{key} holds NaN or infinity",
                                 "check the environment's observations")
-
-
-def check_action(action, n: int, shape: tuple, dtype) -> np.ndarray:
-    """infer()'s actions as the wire sends them; a wrong shape is the algorithm's own bug."""
-    action = np.asarray(action, dtype)
-    if action.shape != (n, *shape):
-        raise RuntimeError(f"infer returned actions {list(action.shape)}, expected {[n, *shape]}")
-    return action
 
 
 def _leaves(tree: dict, path: str = ""):
@@ -1830,23 +1903,6 @@ class CartPoleEnv(VecEnv):
         return {"state": self.state.astype(np.float32)}
 
 
-@register_env("counting-v1")
-class CountingEnv(VecEnv):
-    """counting-v1: obs = physical steps this episode, reward 1 a step; env i ends at 4 + i."""
-
-    obs_spec = {"state": ((1,), "float32")}
-
-    def _reset(self, rows):
-        pass  # the count is VecEnv's episode_length
-
-    def _step(self, action, rows):
-        ended = self.episode_length[rows] + 1 >= 4 + rows
-        return np.ones(len(rows)), ended, np.ones(len(rows), bool)
-
-    def _observe(self):
-        return {"state": self.episode_length[:, None].astype(np.float32)}
-
-
 class GymEnv(VecEnv):
     """gym:ENV_ID: a Gymnasium environment with Discrete or Box actions (scaled from [-1, 1])."""
 
@@ -1926,16 +1982,6 @@ class Controller:
         raise NotImplementedError
 
 
-class PassThroughController(Controller):
-    """For counting-v1: the action is the decision; the state counts the calls per environment."""
-
-    def initial_state(self, n):
-        return np.zeros(n, np.int64)
-
-    def __call__(self, obs, decision, state):
-        return decision, state + 1
-
-
 class TrackingController(Controller):
     """track: a PD law steering the position read by position_velocity(obs) to scale * decision."""
 
@@ -1950,26 +1996,21 @@ class TrackingController(Controller):
 
 
 def make_controller(name: str, env: VecEnv) -> Controller:
-    """A built-in controller: pass-through (counting-v1) or track (dummy-v1, pendulum-v1)."""
-    if name == "pass-through":
-        return PassThroughController()
+    """A built-in controller: track (dummy-v1, pendulum-v1)."""
     if name == "track" and isinstance(env, DummyEnv):  # obs [x, target, gap]; no inertia
         return TrackingController(lambda obs: (obs[:, 0], 0.0))
     if name == "track" and isinstance(env, PendulumEnv):  # obs [cos θ, sin θ, θ']
         return TrackingController(lambda obs: (np.arctan2(obs[:, 1], obs[:, 0]), obs[:, 2]), np.pi)
-    raise ValueError(f"unknown controller {name!r} for this environment; known: pass-through, "
-                     "track (track needs dummy-v1 or pendulum-v1)")
+    raise ValueError(f"unknown controller {name!r} for this environment; known: track (for "
+                     "dummy-v1 or pendulum-v1)")
 
 
 REWARD_AGGREGATIONS = ("sum", "mean", "last", "stack")
 
 
-def _check_choice(steps, reward_aggregation, name="steps"):
+def _check_steps(steps, name: str) -> None:
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
         raise ValueError(f"{name} must be an integer of at least 1, got {steps!r}")
-    if reward_aggregation not in REWARD_AGGREGATIONS:
-        raise ValueError(f"reward_aggregation must be one of {', '.join(REWARD_AGGREGATIONS)}, "
-                         f"got {reward_aggregation!r}")
 
 
 class MultiAction:
@@ -1978,8 +2019,10 @@ class MultiAction:
     stack_observations = False
 
     def __init__(self, env: VecEnv, replan_steps: int | None = None, reward_aggregation="sum"):
-        _check_choice(1 if replan_steps is None else replan_steps, reward_aggregation,
-                      "replan_steps")
+        _check_steps(1 if replan_steps is None else replan_steps, "replan_steps")
+        if reward_aggregation not in REWARD_AGGREGATIONS:
+            raise ValueError(f"reward_aggregation must be one of {', '.join(REWARD_AGGREGATIONS)}, "
+                             f"got {reward_aggregation!r}")
         self.env, self.replan_steps, self.reward_aggregation = env, replan_steps, reward_aggregation
         self.obs = None  # what the next decision is made for
 
@@ -2035,7 +2078,7 @@ class ClosedLoopMultiAction(MultiAction):
 
     def __init__(self, env: VecEnv, controller: Controller, steps: int,
                  reward_aggregation: str = "sum", stack_observations: bool = False):
-        _check_choice(steps, reward_aggregation)
+        _check_steps(steps, "steps")
         super().__init__(env, reward_aggregation=reward_aggregation)
         self.controller, self.steps = controller, int(steps)
         self.stack_observations = stack_observations
@@ -2217,14 +2260,17 @@ def _registered(table) -> str:
     return ", ".join(f"{uid} ({', '.join(variants)})" for uid, variants in sorted(uids.items()))
 
 
-def _choose(table, kind: str, uid: str, variant: str):
-    """A copy of the registered config of (uid, variant), or a one-line error saying what to do."""
-    if (uid, variant) not in table:
-        hint = "" if any(known == uid for known, _ in table) else (
-            f"; if {uid!r} is defined in a plug-in module, add --plugin MODULE")
-        raise SystemExit(f"error: unknown {kind} {uid!r} variant {variant!r}; known: "
-                         f"{_registered(table)}{hint}")
-    return dataclasses.replace(table[(uid, variant)])  # flags must not change the registry
+def _choose(configs: dict, classes: dict, kind: str, uid: str, variant: str):
+    """_config, or one line that says what to do (status 2, as for a mistyped flag)."""
+    if (uid, variant) in configs:
+        return _config(kind, configs, uid, variant)
+    decorator = f"@register_{'algo' if kind == 'algorithm' else kind}_config({uid!r})"
+    hint = ("" if any(known == uid for known, _ in configs) else
+            f"; {uid!r} is registered without a config: register one with {decorator}"
+            if uid in classes else f"; if {uid!r} is defined in a plug-in module, add --plugin MODULE")
+    print(f"error: unknown {kind} {uid!r} variant {variant!r}; known: {_registered(configs)}{hint}",
+          file=sys.stderr)
+    raise SystemExit(2)
 
 
 def fitting_env(policy: BaseTorchPolicy) -> str | None:
@@ -2255,8 +2301,8 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
               f"algorithms: {_registered(_ALGO_CONFIGS)}\n"
               f"environments (env-client, --local-env): {', '.join(ENVIRONMENTS)}, gym:ENV_ID")
         return 0 if {"-h", "--help"} & set(argv) else 2
-    configs = {"policy": _choose(_POLICY_CONFIGS, "policy", *words[:2]),
-               "algo": _choose(_ALGO_CONFIGS, "algorithm", *words[2:])}
+    configs = {"policy": _choose(_POLICY_CONFIGS, _POLICIES, "policy", *words[:2]),
+               "algo": _choose(_ALGO_CONFIGS, _ALGOS, "algorithm", *words[2:])}
     parser = argparse.ArgumentParser(prog=f"python plugrl_min.py {' '.join(words)}",
                                      description="Serve this policy and algorithm over WebSocket.")
     for prefix, config in configs.items():  # --policy.hidden-size, --algo.global-steps, ...
@@ -2269,8 +2315,10 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
                                default=default, help=f"default: {default}")
     add = parser.add_argument
     add("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    add("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
-    add("--run-dir", help="where checkpoints and metrics go (default: runs/ALGO-TIME)")
+    add("--port", type=int, help="0 picks a free port, printed at start (default: 8000; with "
+        "--local-env-clients, a free port)")
+    add("--run-dir", help="a new folder for checkpoints and metrics (default: a new "
+        "runs/ALGO-ENV-seedN-TIME)")
     add("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
     add("--seed", type=int, help="seeds torch and numpy on the server (and local clients)")
     add("--local-env-clients", type=int, default=0, metavar="N", help="start N env clients too")
@@ -2282,9 +2330,23 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
     add("--log-every", type=int, default=1000, metavar="F", help="steps between metrics lines")
     add("--trace", type=int, default=0, metavar="N", help="narrate the first N frames and learns")
     add("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help="larger frames close")
-    add("--feedback-timeout", type=float, default=60.0, help="seconds a client may owe feedback")
-    add("--token", default=os.environ.get("PLUGRL_TOKEN"), help="default: $PLUGRL_TOKEN")
+    add("--feedback-timeout", type=float, default=60.0,
+        help="seconds of serving a client may owe feedback (also the ping interval)")
+    add("--max-envs-per-client", type=int, default=4096, metavar="N",
+        help="environments one connection may use: one client cannot hold the loop")
+    add("--token", default=os.environ.get("PLUGRL_TOKEN"),
+        help="default: $PLUGRL_TOKEN (empty: none)")
     args = parser.parse_args(argv[4:])
+    args.token = args.token or None  # an empty PLUGRL_TOKEN is no token, as on the clients
+    if args.port is None:  # one command needs no free port 8000; a lone server keeps the page's
+        args.port = 0 if args.local_env_clients else 8000
+    if args.resume and not args.run_dir:
+        print("error: --resume needs --run-dir, the run directory to continue", file=sys.stderr)
+        return 2
+    if args.run_dir and not args.resume and os.path.exists(os.path.join(args.run_dir, CONFIG)):
+        print(f"error: {args.run_dir} holds a run already: add --resume to continue it, or "
+              "name another --run-dir", file=sys.stderr)
+        return 2
     for prefix, config in configs.items():
         for field in dataclasses.fields(config):
             setattr(config, field.name, getattr(args, f"{prefix}.{field.name}"))
@@ -2304,11 +2366,13 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
     algo_class = _ALGOS.get(words[2])  # unregistered: make_algo says so, as the page shows
     if world > 1 and algo_class and not issubclass(algo_class, DDPAlgorithm):  # the page's row
         hooks = [name for name in vars(DDPAlgorithm) if name in DDPAlgorithm.__abstractmethods__]
-        lacking = [hook for hook in hooks if not hasattr(algo_class, hook)]  # in the page's order
         print(f"error: {world} ranks need a DDPAlgorithm; {words[2]!r} is a BaseAlgorithm without "
-              f"{', '.join(lacking)}: run it without torch.distributed.run, or implement them",
+              f"{', '.join(hooks)}: run it without torch.distributed.run, or implement them",
               file=sys.stderr)
         return 2
+    if os.name != "posix":
+        print("warning: plugrl_min is made for Linux and macOS: here, signals and local clients "
+              "may not behave as README.md says", file=sys.stderr)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda, but torch finds no CUDA device (torch.cuda.is_available() "
               "is False): use --device cpu", file=sys.stderr)
@@ -2316,7 +2380,6 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")  # a GPU per rank
 
-    run_dir = args.run_dir or os.path.join("runs", f"{words[2]}-{time.strftime('%Y%m%d-%H%M%S')}")
     if rank == 0:
         print(json.dumps(resolved, indent=2), flush=True)
     if args.seed is not None:
@@ -2335,12 +2398,12 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
     counters = {}
     if args.resume:  # on every rank the same newest checkpoint (on several machines: one disk)
         try:
-            checkpoint, counters = load_newest_checkpoint(run_dir)
+            checkpoint, counters = load_newest_checkpoint(args.run_dir)
         except FileNotFoundError as error:
             raise SystemExit(f"error: {error}") from None
         if rank == 0:
             algo.load_checkpoint(checkpoint)
-            print(f"resumed from step {checkpoint.step} in {run_dir}", flush=True)
+            print(f"resumed from step {checkpoint.step} in {args.run_dir}", flush=True)
         else:  # the other ranks only learn: weights, optimizers and counters
             algo.load_learner_state(checkpoint)
     if ranks is not None:  # after the checkpoints: DDP starts every rank from rank 0's weights
@@ -2348,32 +2411,71 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
         algo.activate_ddp(DistributedDataParallel(policy, device_ids=device_ids))
     if rank > 0:
         return serve_as_learner(algo, ranks)
-    local_env = args.local_env or fitting_env(policy)
-    if args.local_env_clients and local_env is None:
-        raise SystemExit("error: no registered environment fits this policy: name one with "
-                         "--local-env ENV_ID")
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.json"), "w") as file:
-        json.dump(resolved, file, indent=2)
-    server = Server(algo, run_dir, (words[0], words[2]), max_message_bytes=args.max_message_bytes,
-                    feedback_timeout=args.feedback_timeout, token=args.token,
+    server = Server(algo, args.run_dir, (words[0], words[2]),
+                    max_message_bytes=args.max_message_bytes,
+                    feedback_timeout=args.feedback_timeout,
+                    max_envs_per_client=args.max_envs_per_client, token=args.token,
                     learn_threads=args.learn_threads, log_every=args.log_every,
                     trace=args.trace, ranks=ranks, **counters)
+    if args.resume:  # the run's own checkpoints: pruning may delete its older ones
+        server.saved = sorted(glob.glob(os.path.join(args.run_dir, "checkpoints", "step_*.pt")))
+    local_env = args.local_env or fitting_env(policy)
+    if args.local_env_clients:  # checked now: a start that fails leaves no trace on disk
+        try:
+            if local_env is None:
+                raise ValueError("no registered environment fits this policy: name one with "
+                                 "--local-env ENV_ID")
+            check_metadata(server.metadata, MultiAction(make_env(local_env)), False)
+        except (ValueError, SystemExit) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
 
-    def start_clients(port: int) -> None:
+    def claim_run_dir() -> str:
+        """The run directory, made this run's own by creating its config.json exclusively."""
+        run_dir = args.run_dir
+        if run_dir is None:  # a new folder: another run started this second takes another
+            name = "-".join([words[2], *[local_env] * bool(args.local_env_clients),
+                             *[f"seed{args.seed}"] * (args.seed is not None),
+                             time.strftime("%Y%m%d-%H%M%S")])
+            base = os.path.join("runs", "".join(c if c.isalnum() or c in "-_." else "_"
+                                                for c in name))
+            os.makedirs("runs", exist_ok=True)
+            for suffix in itertools.count(1):
+                run_dir = base if suffix == 1 else f"{base}-{suffix}"
+                try:
+                    os.mkdir(run_dir)
+                    break
+                except FileExistsError:
+                    continue
+        os.makedirs(run_dir, exist_ok=True)
+        try:
+            with open(os.path.join(run_dir, CONFIG), "w" if args.resume else "x") as file:
+                json.dump(resolved, file, indent=2)
+        except FileExistsError:  # another run claimed it since the check at the start
+            print(f"error: {run_dir} holds a run already: name another --run-dir", file=sys.stderr)
+            raise SystemExit(2) from None
+        print(f"run directory: {run_dir}", flush=True)
+        return run_dir
+
+    def start(port: int) -> None:
+        server.run_dir = claim_run_dir()
         client_args = ["env-client", local_env or "ENV_ID", "--server-port", str(port),
                        "--num-envs", str(args.local_num_envs), "--num-episodes", "0",
                        *[flag for module in plugins for flag in ("--plugin", module)]]
         if not args.local_env_clients:
+            token = " --token TOKEN" if args.token else ""  # the secret is not printed
             print("no env clients yet: start one in another terminal with\n"
-                  f"  python {os.path.basename(__file__)} {' '.join(client_args)}\n"
+                  f"  python {os.path.basename(__file__)} {' '.join(client_args)}{token}\n"
                   "or run this server with --local-env-clients 1 to do both in one command",
                   flush=True)
         for i in range(1, args.local_env_clients + 1):
             seed = [] if args.seed is None else ["--seed", str(args.seed + i - 1)]
             command = [sys.executable, os.path.abspath(__file__), *client_args, *seed]
-            log_path = os.path.join(run_dir, f"env-client-{i}.log")
-            with open(log_path, "w") as log:
+            log_path = os.path.join(server.run_dir, f"env-client-{i}.log")
+            with open(log_path, "a") as log:  # a resumed run adds to its log
+                log.write(f"--- env client {i} started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                          f"{' '.join(command[1:])}\n")
+                log.flush()
                 # A session of its own: signals for the server (Ctrl-C, timeout) stay with it,
                 # and the client hears of the end from the server, as every client does.
                 process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
@@ -2381,8 +2483,10 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
                                            env={**os.environ, "PLUGRL_TOKEN": args.token or ""})
             server.local_clients.append((i, process, log_path))
 
+    for signum in (signal.SIGINT, signal.SIGTERM):  # until the process exits: see on_signal
+        signal.signal(signum, server.on_signal)
     try:
-        return asyncio.run(server.run(args.host, args.port, start_clients))
+        return asyncio.run(server.run(args.host, args.port, start))
     except OSError as error:  # the port is taken, or the address is not this machine's
         raise SystemExit(f"error: cannot listen on {args.host}:{args.port}: "
                          f"{error.strerror or error}") from None
@@ -2403,10 +2507,12 @@ def report_main(argv: list[str]) -> int:
                         help="also the first step at which the last-100 mean reached R")
     args = parser.parse_args(argv)
     try:
-        print(report(args.run_dirs, args.reach))
+        print(report(args.run_dirs, args.reach), flush=True)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `report RUN | head -3`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
     return 0
 
 
@@ -2427,7 +2533,7 @@ def env_client_main(argv: list[str]) -> int:
     add("--token", default=os.environ.get("PLUGRL_TOKEN") or None, help="default: $PLUGRL_TOKEN")
     add("--closed-loop-steps", type=int, metavar="K",
         help="hold each decision for K physical steps, acted out by --controller")
-    add("--controller", default="track", help="pass-through (counting-v1) or track (default)")
+    add("--controller", default="track", help="track (dummy-v1, pendulum-v1)")
     add("--reward-aggregation", default="sum", choices=REWARD_AGGREGATIONS)
     add("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES)
     args = parser.parse_args(argv)
@@ -2449,6 +2555,8 @@ def import_plugins(argv: list[str]) -> tuple[list[str], list[str]]:
     parser = argparse.ArgumentParser(prog="plugrl_min.py", add_help=False, allow_abbrev=False)
     parser.add_argument("--plugin", action="append", default=[])
     plugins, rest = parser.parse_known_args(argv)
+    if os.getcwd() not in sys.path:  # run by path from elsewhere, python puts only its folder
+        sys.path.insert(1, os.getcwd())
     for module in plugins.plugin:
         if module.endswith(".py"):
             name = module[:-3].replace("/", ".")
@@ -2461,14 +2569,25 @@ def import_plugins(argv: list[str]) -> tuple[list[str], list[str]]:
     return plugins.plugin, rest
 
 
+def import_sac_example() -> None:
+    """sac is an example plug-in that ships beside this file: imported from there, by path."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sac_example.py")
+    if os.path.isfile(path) and "sac_example" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("sac_example", path)
+        sys.modules["sac_example"] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
 def main(argv: list[str] | None = None) -> None:
     """The command line: the server, env-client or report; exits with the status."""
-    plugins, argv = import_plugins(list(sys.argv[1:] if argv is None else argv))
-    try:  # sac is an example plug-in that ships beside this file
-        importlib.import_module("sac_example")
-    except ModuleNotFoundError as error:
-        if error.name != "sac_example":
-            raise
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        plugins, argv = import_plugins(argv)
+        if argv[:1] not in (["env-client"], ["report"]):  # only the server serves sac
+            import_sac_example()
+    except RegistrationError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
     if argv[:1] == ["env-client"]:
         sys.exit(env_client_main(argv[1:]))
     if argv[:1] == ["report"]:
@@ -2477,7 +2596,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    # Run as a script, this file is module __main__. Register it as plugrl_min too, so a plug-in's
-    # `from plugrl_min import register_algo` reaches these registries, not a second copy.
-    sys.modules["plugrl_min"] = sys.modules["__main__"]
+    # Run as a script, this file is module __main__. Register it under its own name and as
+    # plugrl_min too, so a plug-in's `from plugrl_min import register_algo` (or the name of a
+    # renamed copy) reaches these registries, not a second copy of the file.
+    for name in ("plugrl_min", os.path.splitext(os.path.basename(__file__))[0]):
+        sys.modules[name] = sys.modules["__main__"]
     main()

@@ -27,6 +27,7 @@ import time
 import tokenize
 import tracemalloc
 import types
+import urllib.parse
 
 import numpy as np
 import pytest
@@ -116,15 +117,32 @@ def run_main(*argv) -> tuple[int, str, str]:
     interpreter to start, no torch to import. Plug-ins need the plugins_in_process fixture.
     """
     threads = torch.get_num_threads()  # the server sets its own
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     out, err = io.StringIO(), io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stop:
             plugrl_min.main([str(word) for word in argv])
-    finally:
+    finally:  # the server's signal handlers last as long as its process: here, as long as its call
         torch.set_num_threads(threads)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
     if isinstance(stop.value.code, str):  # SystemExit("message"): Python prints it, and the status is 1
         return 1, out.getvalue(), err.getvalue() + stop.value.code + "\n"
     return stop.value.code or 0, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(autouse=True)
+def deadline():
+    """Every test fails, instead of hanging, once it has run for 240 s: a wait that never ends hides the bug it
+    waits for (the slowest test takes under a minute)."""
+    def expire(signum, frame):
+        raise TimeoutError("the test ran past its deadline of 240 s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(240)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture
@@ -662,7 +680,7 @@ class Minimal(plugrl_min.BaseAlgorithm):
 def test_registering_the_same_uid_and_variant_twice_raises(decorator, base):
     register = getattr(plugrl_min, decorator)  # config decorators take (uid, variant="default"), classes (uid)
     register(f"twice-{decorator}")(type("First", (base,), {}))
-    with pytest.raises(ValueError, match="already registered"):
+    with pytest.raises(ValueError, match="is registered twice, by "):
         register(f"twice-{decorator}")(type("Second", (base,), {}))
 
 
@@ -1577,6 +1595,34 @@ class PerRowInitialController(RecordingController):
         return {"calls": np.arange(n, dtype=np.int64) * 100, "obs_sum": np.zeros((n, 1), np.float32)}
 
 
+@plugrl_min.register_env("counting-v1")
+class CountingEnv(plugrl_min.VecEnv):
+    """counting-v1, the environment of the SPEC's table: obs = physical steps this episode, reward 1 a step;
+    env i ends at 4 + i. Registered here, where the tests use it, as a plug-in would."""
+
+    obs_spec = {"state": ((1,), "float32")}
+
+    def _reset(self, rows):
+        pass  # the count is VecEnv's episode_length
+
+    def _step(self, action, rows):
+        ended = self.episode_length[rows] + 1 >= 4 + rows
+        return np.ones(len(rows)), ended, np.ones(len(rows), bool)
+
+    def _observe(self):
+        return {"state": self.episode_length[:, None].astype(np.float32)}
+
+
+class PassThroughController(Controller):
+    """For counting-v1: the action is the decision; the state counts the calls per environment."""
+
+    def initial_state(self, n):
+        return np.zeros(n, np.int64)
+
+    def __call__(self, obs, decision, state):
+        return decision, state + 1
+
+
 def counting(n, steps, mode="sum", controller=None, **kwargs):
     """counting-v1 with n envs, a closed loop of `steps`, reset; returns (executor, controller)."""
     controller = controller or RecordingController()
@@ -2061,7 +2107,7 @@ def test_controller_state_counts_again_from_zero_after_a_reset():
 
 
 def test_array_controller_state_is_frozen_for_a_finished_env():
-    executor = ClosedLoopMultiAction(make_env("counting-v1", 2), plugrl_min.PassThroughController(), steps=3)
+    executor = ClosedLoopMultiAction(make_env("counting-v1", 2), PassThroughController(), steps=3)
     executor.reset()
     decide(executor, 2, times=2)
     assert executor.state.tolist() == [4, 5]
@@ -3012,7 +3058,7 @@ def test_a_silent_clients_error_message_says_what_happened(tmp_path):
         return await silent.receive()
 
     _, error = run_server(Probe(), tmp_path, script, feedback_timeout=0.3)
-    assert error["message_type"] == "error" and error["message"] == "no feedback for 0.3 s" and error["hint"]
+    assert error["message_type"] == "error" and error["message"] == "client silent: no feedback for 0.3 s of serving" and error["hint"]
 
 
 class LearnsOnceForLong(LearnsOnceAfterTheFirstFrame):
@@ -4115,9 +4161,28 @@ def test_trace_narrates_the_first_n_frames_only(tmp_path, capsys):
 
 def test_an_unknown_algorithm_names_plugin_as_the_likely_fix():
     status, _, err = run_main("dummy-policy", "default", "reinforce", "default")
-    assert status == 1
+    assert status == 2
     (line,) = err.strip().splitlines()
     assert "unknown algorithm 'reinforce'" in line and "--plugin MODULE" in line
+
+
+ALGORITHM_WITHOUT_CONFIG = '''
+from plugrl_min import DummyAlgorithm, register_algo
+
+
+@register_algo("no-config")
+class NoConfig(DummyAlgorithm):
+    pass
+'''
+
+
+def test_a_plugin_with_an_algorithm_but_no_config_is_one_line_naming_what_to_register(tmp_path, plugins_in_process):
+    write_plugin(tmp_path, "plugrl_test_no_config", ALGORITHM_WITHOUT_CONFIG)
+    status, out, err = run_main("dummy-policy", "default", "no-config", "default", "--plugin", "plugrl_test_no_config")
+    assert status == 2 and out == ""
+    (line,) = err.splitlines()
+    assert line.endswith("'no-config' is registered without a config: register one with "
+                         "@register_algo_config('no-config')")
 
 
 def test_plugin_given_as_a_file_name_says_to_drop_the_py(tmp_path, plugins_in_process):
@@ -4839,10 +4904,9 @@ def test_the_readme_own_environment_trains_as_shown(tmp_path, plugins_in_process
     assert np.mean(rewards[-5:]) > np.mean(rewards[:3]) + 1  # it learned to reach 0
 
 
-@pytest.mark.parametrize("nth", [0, 1], ids=["dummy-v1 and track", "counting-v1 and pass-through"])
-def test_the_readme_closed_loop_commands_run(tmp_path, nth):
+def test_the_readme_closed_loop_command_runs(tmp_path):
     server_words, client_words = [line.split()[1:] for line in
-                                  readme_block("## One decision, several physical steps", nth).splitlines()]
+                                  readme_block("## One decision, several physical steps").splitlines()]
     with Background(tmp_path, "server", in_a_test(server_words, tmp_path)) as server:
         client = python(*client_words, "--server-port", str(server.port()))
         server.proc.send_signal(signal.SIGINT)
@@ -5210,14 +5274,33 @@ def test_timeout_and_a_sigterm_to_the_process_group_leave_a_final_checkpoint_and
     assert checkpoint_steps(run_dir)[-1] == step  # the final checkpoint, at the step the run ended
 
 
-def test_a_local_client_that_exits_nonzero_stops_the_server_with_status_1_naming_it_and_its_error(tmp_path):
-    status, _, err = run_main("dummy-policy", "default", "dummy", "default", "--local-env-clients", "1",
-                              "--local-env", "my-line-v0", "--port", "0", "--run-dir", tmp_path / "run")
+BREAKS_AFTER_30_STEPS = '''
+from plugrl_min import DummyEnv, register_env
+
+
+@register_env("breaks-v0")
+class Breaks(DummyEnv):
+    steps = 0
+
+    def _step(self, action, rows):
+        self.steps += 1
+        if self.steps > 30:
+            raise ValueError("breaks-v0 broke at step 30")
+        return super()._step(action, rows)
+'''
+
+
+def test_a_local_client_that_exits_nonzero_stops_the_server_with_status_1_naming_it_and_its_error(
+        tmp_path, plugins_in_process, monkeypatch):
+    write_plugin(tmp_path, "plugrl_test_breaks", BREAKS_AFTER_30_STEPS)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # for the local client's --plugin
+    status, _, err = run_main("dummy-policy", "default", "dummy", "default", "--plugin", "plugrl_test_breaks",
+                              "--local-env-clients", "1", "--local-env", "breaks-v0", "--run-dir", tmp_path / "run")
     assert status == 1, err
     (line,) = [line for line in err.splitlines() if "local env client" in line]
     assert line.startswith("error: local env client 1 exited with status 2: ")
-    assert "unknown environment 'my-line-v0'" in line and "env-client-1.log" in line
-    assert checkpoint_steps(tmp_path / "run") == [0]  # the final checkpoint all the same
+    assert "breaks-v0 broke at step 30" in line and "env-client-1.log" in line
+    assert checkpoint_steps(tmp_path / "run") == [30]  # the final checkpoint all the same
 
 
 @pytest.fixture(scope="module")
@@ -5241,7 +5324,7 @@ def test_metrics_lines_come_every_log_every_steps_and_at_the_end(sac_run_logged_
 
 def test_metrics_lines_count_every_episode_once_and_the_end_line_those_since_the_line_before(sac_run_logged_every_300):
     lines = sac_run_logged_every_300.lines
-    client_episodes = int(re.search(r"episodes (\d+)", sac_run_logged_every_300.client).group(1))
+    client_episodes = int(re.search(r"\| episodes (\d+)", sac_run_logged_every_300.client).group(1))
     assert sum(line["rollout/episodes"] for line in lines) == client_episodes
     assert lines[-1]["rollout/episodes"] > 0  # dummy-v1's episodes end within 50 steps
 
@@ -5280,10 +5363,11 @@ def test_device_cuda_without_cuda_is_a_one_line_error_and_exit_2(monkeypatch, ca
 def test_device_auto_without_cuda_runs_on_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the server runs in this process
     status, _, err = run_main("dummy-policy", "default", "pg", "default", "--device", "auto",
-                              "--algo.global-steps", "0", "--port", "0", "--run-dir", tmp_path / "run")
+                              "--algo.global-steps", "64", "--algo.frames-per-learn", "32", "--local-env-clients", "1",
+                              "--run-dir", tmp_path / "run")
     assert status == 0, err
     checkpoint, _ = load_newest_checkpoint(str(tmp_path / "run"))  # written from the weights where they live
-    assert checkpoint.step == 0 and all(tensor.device.type == "cpu" for tensor in checkpoint.model.values())
+    assert checkpoint.step == 64 and all(tensor.device.type == "cpu" for tensor in checkpoint.model.values())
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -5389,17 +5473,21 @@ finally:
 '''
 
 
-def launch(tmp_path, name, *args, pythonpath=None, **env) -> subprocess.Popen:
-    """`python -m torch.distributed.run --nproc-per-node 2 plugrl_min.py ARGS`, in a session of its
-    own, its output in tmp_path/NAME.out; each rank's exit status lands in tmp_path/NAME-exits/."""
+def launch(tmp_path, name, *args, pythonpath=None, node=None, cwd=HERE, **env) -> subprocess.Popen:
+    """`python -m torch.distributed.run --standalone --nproc-per-node 2 plugrl_min.py ARGS`, in a session of its
+    own, its output in tmp_path/NAME.out; each rank's exit status lands in tmp_path/NAME-exits/. With
+    node=(node rank, master port), the launcher of one machine of two, one rank each, as README.md shows."""
     exits = tmp_path / f"{name}-exits"
-    exits.mkdir()
+    exits.mkdir(exist_ok=True)
     (tmp_path / "rank_exits.py").write_text(RANK_EXITS)
     paths = os.pathsep.join(filter(None, [str(pythonpath or ""), HERE]))  # plug-ins, and sac_example
     child_env = {**subprocess_env(paths), "RANK_EXITS": str(exits), "PLUGRL_MIN": SOURCE, **env}
+    where = ["--standalone", "--nproc-per-node", "2"] if node is None else [
+        "--nnodes", "2", "--node-rank", str(node[0]), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+        "--master-port", str(node[1])]
     with open(tmp_path / f"{name}.out", "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                 "2", str(tmp_path / "rank_exits.py"), *args], cwd=HERE, env=child_env,
+        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *where,
+                                 str(tmp_path / "rank_exits.py"), *args], cwd=cwd, env=child_env,
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
@@ -5528,7 +5616,8 @@ TWO_RANK_STEPS = 32 * 1024  # pg's default batches; seed 1 is past -2 by 20,000 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """recorded-pg (pg that records its distributed hooks) on dummy-v1 under two ranks and one local
-    client: SIGTERM to the launcher after 12 learns, then --resume under two ranks to 32,768 steps."""
+    client: SIGTERM to the launcher after 12 learns, then --resume to 32,768 steps under two launchers, as on
+    two machines (README.md's commands): rank 1's in a folder of its own, where it writes nothing."""
     tmp_path = tmp_path_factory.mktemp("two-ranks")
     write_plugin(tmp_path, "recorded_pg", RECORDED_PG)
     calls = tmp_path / "calls"
@@ -5546,9 +5635,17 @@ def two_ranks(tmp_path_factory):
     finally:
         first_status = finish(first, 90)
     steps_before = checkpoint_steps(run_dir)
-    second = launch(tmp_path, "second", *words, "--resume", pythonpath=tmp_path, CALLS=str(calls))
+    master_port, rank_1_folder = reserve_port(), tmp_path / "machine-2"
+    rank_1_folder.mkdir()
+    second = launch(tmp_path, "second", *words, "--resume", pythonpath=tmp_path, CALLS=str(calls),
+                    node=(0, master_port))
+    second_rank_1 = launch(tmp_path, "second-rank-1", *words, "--resume", pythonpath=tmp_path, CALLS=str(calls),
+                           node=(1, master_port), cwd=rank_1_folder, RANK_EXITS=str(tmp_path / "second-exits"))
     second_status = finish(second, 300)
+    second_rank_1_status = finish(second_rank_1, 60)
     return types.SimpleNamespace(
+        second_rank_1_status=second_rank_1_status, rank_1_folder=sorted(os.listdir(rank_1_folder)),
+        rank_1_out=(tmp_path / "second-rank-1.out").read_text(),
         run_dir=run_dir, calls=calls, stopped_at=stopped_at, first_status=first_status, steps_before=steps_before,
         first_exits=rank_exits(tmp_path, "first"), first_out=(tmp_path / "first.out").read_text(),
         second_status=second_status, second_exits=rank_exits(tmp_path, "second"),
@@ -5576,6 +5673,7 @@ def test_resume_under_two_ranks_continues_the_learn_cadence_exactly(two_ranks):
 
 def test_two_ranks_and_a_local_client_train_pg_on_dummy_v1_to_the_bar_of_one_process(two_ranks):
     assert two_ranks.second_status == 0 and two_ranks.second_exits == {"rank0": 0, "rank1": 0}, two_ranks.second_out
+    assert two_ranks.second_rank_1_status == 0
     curve = plugrl_min.return_curve(read_metrics(two_ranks.run_dir, None))
     assert curve[-1][0] == TWO_RANK_STEPS and curve[-1][1] >= -5.0, curve[-5:]
     steps = checkpoint_steps(two_ranks.run_dir)
@@ -5608,6 +5706,11 @@ def test_on_resume_rank_0_loads_the_checkpoint_and_the_other_rank_its_learner_st
 def test_only_rank_0_writes_checkpoints(two_ranks):
     assert not [call for call in calls_of(two_ranks, 1) if call["hook"] == "create_ddp_checkpoint"]
     assert [call for call in calls_of(two_ranks, 0) if call["hook"] == "create_ddp_checkpoint"]
+
+
+def test_on_a_second_machine_rank_1_writes_nothing_to_disk(two_ranks):
+    assert "rank 1 of 2" in (two_ranks.rank_1_out)  # it learned, launched from a folder of its own
+    assert two_ranks.rank_1_folder == []  # no run directory, log or checkpoint
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])
@@ -5987,3 +6090,418 @@ def test_the_readmes_bytes_per_learn_for_the_default_pg_batch_are_what_rank_0_se
     order = {"order": "learn", "threads": 1, "global_step": global_step, "meta_info": meta_info, "data": data}
     said = re.search(r"that is ([\d,]+)\s+bytes", readme())
     assert said and int(said.group(1).replace(",", "")) == len(pack_message(order))
+
+
+# =============================================================================================
+# Run records: one run, one folder; a failed start leaves no trace; stops as tools send them;
+# copies of the seed; one liveness rule; bad input costs only its sender
+# =============================================================================================
+
+def folder_bytes(folder) -> dict:
+    """Every file under folder, by relative path, with its bytes: a run's record as it stands."""
+    return {os.path.relpath(path, folder): open(path, "rb").read()
+            for path in glob.glob(os.path.join(folder, "**"), recursive=True) if os.path.isfile(path)}
+
+
+def dummy_run_command(*flags) -> list[str]:
+    """A short dummy run with one local client of 4 environments, by absolute path (any cwd)."""
+    return [sys.executable, SOURCE, "dummy-policy", "default", "dummy", "default", "--local-env-clients", "1",
+            "--local-num-envs", "4", "--algo.global-steps", "2000", "--algo.learn-every", "500", "--log-every", "1",
+            *flags]
+
+
+def test_three_seeds_started_together_keep_three_complete_separate_runs(tmp_path):
+    processes = [subprocess.Popen(dummy_run_command("--seed", str(seed)), cwd=tmp_path, env=subprocess_env(),
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for seed in (1, 2, 3)]
+    for process in processes:
+        assert process.wait(180) == 0, process.stderr.read()
+    runs = sorted(glob.glob(str(tmp_path / "runs" / "*")))
+    assert len(runs) == 3
+    seeds = []
+    for run in runs:
+        with open(os.path.join(run, "config.json")) as file:
+            seeds.append(json.load(file)["seed"])
+        lines = read_metrics(run, None)
+        assert [line["event"] for line in lines] == ["learn"] * 4 + ["end"]  # this run's lines, none of another's
+        assert [line["step"] for line in lines] == [500, 1000, 1500, 2000, 2000]
+        assert checkpoint_steps(run) == [2000]  # its own final checkpoint
+        log = open(os.path.join(run, "env-client-1.log")).read()
+        assert f"--seed {seeds[-1]}" in log.splitlines()[0] and "the server ended the run" in log
+    assert sorted(seeds) == [1, 2, 3]
+
+
+def test_a_default_run_directory_already_taken_gets_a_new_name_and_the_taken_one_is_untouched(tmp_path):
+    # Every name this run could choose in the next minute is taken, as by a run started the same second.
+    now = time.time()
+    taken = [tmp_path / "runs" / f"dummy-dummy-v1-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now + t))}"
+             for t in range(-1, 60)]
+    for folder in taken:
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("another run's\n")
+    status = subprocess.run(dummy_run_command(), cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
+                            timeout=180, stdin=subprocess.DEVNULL)
+    assert status.returncode == 0, status.stderr
+    new = re.search(r"run directory: (\S+)", status.stdout).group(1)
+    assert new.endswith("-2") and checkpoint_steps(tmp_path / new) == [2000]
+    assert all(os.listdir(folder) == ["config.json"] and (folder / "config.json").read_text() == "another run's\n"
+               for folder in taken)
+
+
+@pytest.fixture
+def earlier_run(two_short_runs, tmp_path):
+    """A copy of a finished run directory, and its bytes."""
+    run = tmp_path / "earlier"
+    shutil.copytree(two_short_runs[0], run)
+    return run, folder_bytes(run)
+
+
+def test_a_reused_run_directory_without_resume_is_refused_and_its_bytes_are_unchanged(earlier_run):
+    run, before = earlier_run
+    status, out, err = run_main(*dummy_run_command("--run-dir", run)[2:])
+    assert status == 2 and err.strip() == (f"error: {run} holds a run already: add --resume to continue it, "
+                                           "or name another --run-dir")
+    assert folder_bytes(run) == before
+
+
+def test_a_start_with_a_taken_port_leaves_an_earlier_runs_folder_as_it_was(earlier_run):
+    run, before = earlier_run
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        status, _, err = run_main(*dummy_run_command("--run-dir", run, "--resume", "--port",
+                                                     taken.getsockname()[1])[2:])
+    assert status == 1 and "cannot listen on 127.0.0.1" in err
+    assert folder_bytes(run) == before
+
+
+def test_a_start_with_an_unknown_environment_leaves_an_earlier_runs_folder_as_it_was(earlier_run):
+    run, before = earlier_run
+    status, _, err = run_main(*dummy_run_command("--run-dir", run, "--resume", "--local-env", "dummy-v9")[2:])
+    assert status == 2 and err.strip().splitlines()[-1].startswith("error: unknown environment 'dummy-v9'")
+    assert folder_bytes(run) == before
+
+
+def test_a_start_with_an_environment_that_does_not_fit_the_policy_writes_nothing(tmp_path):
+    status, _, err = run_main(*dummy_run_command("--run-dir", tmp_path / "run", "--local-env", "cartpole-v1")[2:])
+    assert status == 2 and "the server's policy does not fit this environment" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_without_a_run_directory_says_it_needs_one(tmp_path):
+    status, _, err = run_main("dummy-policy", "default", "dummy", "default", "--resume")
+    assert status == 2 and err.strip() == "error: --resume needs --run-dir, the run directory to continue"
+
+
+def test_a_run_that_ends_with_no_frame_served_writes_no_checkpoint_and_no_end_line(tmp_path):
+    run_dir = tmp_path / "run"
+    with Background(tmp_path, "server", dummy_server(run_dir)) as server:
+        server.port()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.wait(30) == 0, server.stderr()
+    assert checkpoint_steps(run_dir) == [] and metrics_lines(run_dir) == 0
+    assert "no frame was served" in server.stdout()
+
+
+def test_a_resumed_run_appends_to_its_local_clients_log_with_a_line_that_marks_each_start(earlier_run):
+    run, before = earlier_run
+    status, _, err = run_main(*dummy_run_command("--run-dir", run, "--resume", "--algo.global-steps", "6500")[2:])
+    assert status == 0, err
+    log = (run / "env-client-1.log").read_text()
+    assert log.startswith(before["env-client-1.log"].decode())  # the first start's lines, kept
+    assert [line.startswith("--- env client 1 started") for line in log.splitlines()].count(True) == 2
+
+
+def test_pruning_keeps_this_runs_three_newest_checkpoints_and_deletes_no_other(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    foreign = [10**9 + i for i in range(3)]  # higher steps than this run reaches: they sort last
+    for step in foreign:
+        (run_dir / "checkpoints" / f"step_{step:012d}.pt").write_bytes(b"another run's checkpoint")
+    algo = make_algo("dummy", small_policy(), plugrl_min.DummyAlgoConfig(global_steps=None, learn_every=100,
+                                                                          save_every=1))
+    status, _ = run_server(algo, run_dir, lambda port, server: run_rounds(port, [0.5], 600))
+    assert status == 0 and checkpoint_steps(run_dir) == [400, 500, 600, *foreign]
+    assert all((run_dir / "checkpoints" / f"step_{step:012d}.pt").read_bytes() == b"another run's checkpoint"
+               for step in foreign)
+
+
+def test_kill_9_of_the_launcher_leaves_no_rank_or_client_running_and_a_final_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    process = launch(tmp_path, "run", "dummy-policy", "default", "pg", "default", "--local-env-clients", "1",
+                     "--local-num-envs", "16", "--algo.global-steps", "1000000000", "--log-every", "1",
+                     "--run-dir", str(run_dir))
+    try:
+        wait_for(lambda: metrics_lines(run_dir) >= 2 or process.poll() is not None, 180, "learns on two ranks")
+        out = (tmp_path / "run.out").read_text()
+        port = re.search(r"listening on ws://127\.0\.0\.1:(\d+)", out).group(1)
+        process.kill()  # SIGKILL to the launcher alone: its ranks and their client are on their own
+        process.wait(10)
+        wait_for(lambda: not processes_naming(str(run_dir)) and not processes_naming(f"--server-port\0{port}\0"), 60,
+                 "every rank and the local client to exit")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    out = (tmp_path / "run.out").read_text()
+    assert "the launcher is gone" in out and rank_exits(tmp_path, "run") == {"rank0": 0, "rank1": 0}, out
+    step = int(re.search(r"run finished: global step (\d+)", out).group(1))
+    assert checkpoint_steps(run_dir)[-1] == step  # the final checkpoint
+    with socket.socket() as again:  # its port is free again (SO_REUSEADDR: as a new server binds it)
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind(("127.0.0.1", int(port)))
+
+
+@pytest.mark.parametrize("gap", [0.05, 0.3])
+def test_two_sigterms_50_or_300_ms_apart_are_one_request_and_exit_0(tmp_path, gap):
+    run_dir = tmp_path / "run"
+    with Background(tmp_path, "server", dummy_server(run_dir, "--algo.global-steps", "1000000000")) as server:
+        def sigterm_twice():
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(gap)
+            server.proc.send_signal(signal.SIGTERM)
+        fed, closed = asyncio.run(feed(server.port(), 250, then=sigterm_twice))
+        status = server.wait(30)
+    assert status == 0 and closed == (1000, "run finished"), server.stderr()
+    assert checkpoint_steps(run_dir)[-1] == 250
+
+
+EXITS_SLOWLY = '''
+import atexit, time
+atexit.register(time.sleep, 3)  # a process that takes a while to exit, after its event loop has closed
+atexit.register(print, "exiting", flush=True)
+'''
+
+
+def test_a_copy_of_sigterm_after_the_event_loop_closed_still_exits_0(tmp_path):
+    write_plugin(tmp_path, "exits_slowly", EXITS_SLOWLY)
+    run_dir = tmp_path / "run"
+    with Background(tmp_path, "server", dummy_server(run_dir, "--plugin", "exits_slowly"),
+                    pythonpath=tmp_path) as server:
+        fed, closed = asyncio.run(feed(server.port(), 150, then=lambda: server.proc.send_signal(signal.SIGTERM)))
+        wait_for(lambda: "exiting" in server.stdout(), 30, "the server to exit")
+        server.proc.send_signal(signal.SIGTERM)  # 'timeout' and Slurm send a copy; the run has ended
+        status = server.wait(30)
+    assert status == 0, server.stderr()
+    assert checkpoint_steps(run_dir)[-1] == 150
+
+
+@pytest.mark.parametrize("how", ["PLUGRL_TOKEN=", "--token ''"])
+def test_an_empty_token_is_no_token_and_trains_with_a_local_client(tmp_path, how):
+    env = {**subprocess_env(), "PLUGRL_TOKEN": ""}
+    flags = ["--token", ""] if how.startswith("--token") else []
+    status = subprocess.run(dummy_run_command("--run-dir", tmp_path / "run", "--host", "0.0.0.0", *flags),
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+                            stdin=subprocess.DEVNULL)
+    assert status.returncode == 0, status.stderr
+    assert checkpoint_steps(tmp_path / "run") == [2000]
+    assert "without --token" in status.stderr  # and that is true: anyone may connect
+
+
+def test_the_hint_to_start_a_client_names_the_token_flag_when_the_server_has_a_token(tmp_path):
+    with Background(tmp_path, "server", dummy_server(tmp_path / "run", "--token", "s3cret")) as server:
+        port = server.port()
+        wait_for(lambda: "another terminal" in server.stdout(), 30, "the hint")
+    hint = server.stdout().split("another terminal with\n")[1].splitlines()[0]
+    assert f"--server-port {port} " in hint and hint.endswith(" --token TOKEN") and "s3cret" not in server.stdout()
+
+
+PLUGIN_BY_CWD = '''
+import dataclasses
+from {module} import DummyAlgorithm, DummyAlgoConfig, register_algo, register_algo_config
+
+@register_algo_config("from-cwd")
+@dataclasses.dataclass
+class FromCwdConfig(DummyAlgoConfig):
+    global_steps: int | None = 300
+    learn_every: int = 100
+
+
+@register_algo("from-cwd")
+class FromCwd(DummyAlgorithm):
+    pass
+'''
+
+
+def test_a_plugin_in_the_current_folder_is_found_when_the_script_runs_by_path(tmp_path):
+    (tmp_path / "plugrl_test_cwd_algo.py").write_text(PLUGIN_BY_CWD.format(module="plugrl_min"))
+    status = subprocess.run([sys.executable, SOURCE, "dummy-policy", "default", "from-cwd", "default", "--plugin",
+                             "plugrl_test_cwd_algo", "--local-env-clients", "1", "--run-dir", "run"], cwd=tmp_path,
+                            env=subprocess_env(), capture_output=True, text=True, timeout=120,
+                            stdin=subprocess.DEVNULL)
+    assert status.returncode == 0, status.stderr
+    assert "run finished: global step 300" in status.stdout
+
+
+def test_a_renamed_copy_serves_a_plugin_that_imports_it_by_its_new_name(tmp_path):
+    shutil.copy(SOURCE, tmp_path / "rl_server.py")
+    (tmp_path / "plugrl_test_renamed_algo.py").write_text(PLUGIN_BY_CWD.format(module="rl_server"))
+    status = subprocess.run([sys.executable, "rl_server.py", "dummy-policy", "default", "from-cwd", "default",
+                             "--plugin", "plugrl_test_renamed_algo", "--local-env-clients", "1", "--run-dir", "run"],
+                            cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=120,
+                            stdin=subprocess.DEVNULL)
+    assert status.returncode == 0, status.stderr
+    assert "run finished: global step 300" in status.stdout
+
+
+def test_a_name_registered_twice_is_one_line_naming_both_modules_and_exit_2(tmp_path, plugins_in_process):
+    with open(os.path.join(HERE, "sac_example.py")) as file:
+        write_plugin(tmp_path, "plugrl_test_sac_copy", file.read())  # a copy, names unchanged
+    status, out, err = run_main("--help", "--plugin", "plugrl_test_sac_copy")
+    assert status == 2 and out == ""
+    assert err == ("error: algorithm config sac/default is registered twice, by sac_example and by "
+                   "plugrl_test_sac_copy: rename one, or load only one of them\n")
+
+
+@pytest.mark.parametrize("command, imports", [(["env-client", "--help"], False), (["report", "--help"], False),
+                                              (["--help"], True)])
+def test_only_the_server_command_imports_the_bundled_sac_example(monkeypatch, command, imports):
+    calls = []
+    monkeypatch.setattr(plugrl_min, "import_sac_example", lambda: calls.append(1))
+    status, _, _ = run_main(*command)
+    assert status == 0 and bool(calls) == imports
+
+
+def test_report_into_a_closed_pipe_exits_quietly(two_short_runs):
+    process = subprocess.Popen([sys.executable, SOURCE, "report", *two_short_runs], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=subprocess_env())
+    process.stdout.close()  # `| head -1` that has read its line: the report's writes meet a closed pipe
+    status = process.wait(60)
+    assert status == 0 and process.stderr.read() == b""
+
+
+def test_a_cut_off_last_line_of_metrics_is_skipped_with_a_warning_naming_the_file_and_line(earlier_run, capsys):
+    run, _ = earlier_run
+    path = run / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:25])  # a run killed as it wrote its last line
+    status, out, err = run_main("report", run)
+    assert status == 0 and out.startswith(f"A {run}: 6,000 steps")  # the line before, the 6,000-step learn
+    assert err == f"warning: {path}, line {len(lines)} is cut short (a run killed as it wrote?): skipped\n"
+
+
+def test_websockets_older_than_15_is_one_line_saying_which_version_is_needed(tmp_path):
+    (tmp_path / "websockets").mkdir()
+    (tmp_path / "websockets" / "__init__.py").write_text('__version__ = "14.2"\n')
+    status = python("plugrl_min.py", "--help", pythonpath=tmp_path)
+    assert status.returncode != 0 and status.stderr == (
+        "error: plugrl_min needs websockets 15 or newer; this Python has 14.2: pip install -r requirements.txt\n")
+
+
+@pytest.mark.parametrize("host, url_host", [("0.0.0.0", "0.0.0.0"), ("::", "[::]")])
+def test_the_listening_line_is_a_url_a_tool_can_read(tmp_path, capsys, host, url_host):
+    if host == "::" and not socket.has_ipv6:
+        pytest.skip("this Python was built without IPv6")
+
+    async def main():
+        server = plugrl_min.Server(dummy_algo(small_policy(), None), str(tmp_path), ("dummy-policy", "dummy"))
+        ports = asyncio.Queue()
+        task = asyncio.create_task(server.run(host, 0, on_listening=ports.put_nowait))
+        port = await asyncio.wait_for(ports.get(), 10)
+        server.request_stop()
+        await asyncio.wait_for(task, 15)
+        return port
+
+    port = asyncio.run(main())
+    url = re.search(r"listening on (\S+)", capsys.readouterr().out).group(1)
+    assert url == f"ws://{url_host}:{port}"
+    assert urllib.parse.urlsplit(url).port == port
+
+
+class Learns(plugrl_min.DummyAlgorithm):
+    """dummy-policy's actions, stored nowhere; a learn of 20 ms after every 8 frames, for ever."""
+
+    def __init__(self):
+        super().__init__(plugrl_min.DummyAlgoConfig(global_steps=None, learn_every=8), small_policy())
+
+    def learn_impl(self):
+        time.sleep(0.005)
+        return super().learn_impl()
+
+
+def test_a_client_owing_feedback_while_another_trains_is_dropped_after_the_timeout(tmp_path):
+    async def script(port, server):
+        trainer = asyncio.create_task(run_rounds(port, [1.0, 2.0], 10**6))
+        silent = await Client.connect(port)
+        await silent.infer([0], [0.5])  # it owes this feedback, and sends nothing more
+        started = time.monotonic()
+        await asyncio.wait_for(silent.ws.wait_closed(), 40)
+        waited = time.monotonic() - started
+        learns = server.learns
+        trainer.cancel()
+        return silent.ws.close_code, silent.ws.close_reason, waited, learns
+
+    status, (code, reason, waited, learns) = run_server(Learns(), tmp_path, script, feedback_timeout=1.5)
+    assert (code, reason) == (1008, "client silent: no feedback for 1.5 s of serving")
+    assert learns > 10 and 1.5 <= waited < 40  # learns came all the while; their time did not count
+
+
+def env_client_process(tmp_path, name, port, *flags) -> Background:
+    return Background(tmp_path, name, ["plugrl_min.py", "env-client", "dummy-v1", "--server-port", str(port),
+                                       "--num-episodes", "0", *flags])
+
+
+@pytest.mark.parametrize("pause, dropped", [(0.5, False), (8.0, True)])
+def test_a_paused_client_survives_a_pause_shorter_than_the_timeout_and_is_dropped_after_a_longer_one(
+        tmp_path, pause, dropped):
+    run_dir = tmp_path / "run"
+    flags = ["--algo.global-steps", "1000000000", "--local-env-clients", "1", "--feedback-timeout", "3"]
+    with Background(tmp_path, "server", dummy_server(run_dir, *flags)) as server:
+        port = server.port()
+        with env_client_process(tmp_path, "paused", port) as client:
+            wait_for(lambda: metrics_lines(run_dir) >= 2, 60, "both clients training")
+            client.proc.send_signal(signal.SIGSTOP)  # a debugger, a slow env.step, kill -STOP
+            time.sleep(pause)
+            client.proc.send_signal(signal.SIGCONT)
+            if dropped:
+                wait_for(lambda: "client silent: no feedback for 3 s of serving" in client.stderr(), 30,
+                         "the paused client to hear why it was dropped")
+            else:
+                lines = metrics_lines(run_dir)
+                wait_for(lambda: metrics_lines(run_dir) > lines + 2, 30, "more frames")
+                assert client.proc.poll() is None and client.stderr() == ""
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.wait(30) == 0
+
+
+def test_a_reward_beyond_float32_is_refused_naming_the_field_and_no_other_client_gets_a_nan(tmp_path):
+    policy = small_policy()
+    algo = make_algo("pg", policy, plugrl_min.PGConfig(global_steps=None, frames_per_learn=8))
+    algo.init_optimizers()
+
+    async def script(port, server):
+        bad = await Client.connect(port)
+        await bad.infer([0], [0.5])
+        await bad.ws.send(pack_message({"message_type": "feedback", "env_indices": np.array([0], np.int64),
+                                        "obs": obs_of([0.5]), "reward": np.array([1e300]),  # finite, as float64
+                                        "terminated": np.array([False]), "truncated": np.array([False])}))
+        error = await bad.receive()
+        good = await Client.connect(port)
+        actions = [(await good.step(list(range(8)), [0.1 * i for i in range(8)]))["action"] for _ in range(4)]
+        return error, actions, server.learns
+
+    status, (error, actions, learns) = run_server(algo, tmp_path, script)
+    assert error["message"] == "feedback.reward holds NaN, infinity or a value beyond float32's range"
+    assert learns >= 2 and all(np.isfinite(action).all() for action in actions)
+
+
+def test_an_infer_with_more_environments_than_the_cap_is_refused_before_the_policy_runs(tmp_path):
+    async def script(port, server):
+        client = await Client.connect(port)
+        await client.step([0, 1, 2], [0.1, 0.2, 0.3])
+        reply = await client.infer([3, 4], [0.4, 0.5])  # five environments on one connection
+        return reply, await client.closed()
+
+    probe = Probe()
+    status, (reply, closed) = run_server(probe, tmp_path, script, max_envs_per_client=4)
+    assert reply["message"] == ("infer: a connection may use at most 4 environments (the server's "
+                                "--max-envs-per-client)")
+    infers = [tags for event, *tags in probe.events if event == "infer"]
+    assert closed[0] == 1008 and len(infers) == 1  # the first; the policy never saw the second
+
+
+def test_every_key_of_a_dict_observation_is_checked_a_wrong_dtype_in_the_second_is_refused_naming_it():
+    spec = {"image": ((16, 16, 3), np.dtype("uint8")), "state": ((2,), np.dtype("float32"))}  # the README's camera
+    message = {"message_type": "infer", "env_indices": np.array([0], np.int64),
+               "obs": {"image": np.zeros((1, 16, 16, 3), np.uint8), "state": np.zeros((1, 2), np.float64)}}
+    with pytest.raises(ProtocolError, match=re.escape("infer.obs.state must be float32 [1, 2]; got float64 [1, 2]")):
+        plugrl_min.check_message(message, spec)
