@@ -2,25 +2,24 @@
 """plugrl_min: a single-file reference implementation, for teaching, of the PlugRL server contract.
 
 Environments run in client processes and talk over WebSocket to a server that holds the policy
-and the algorithm. The server batches inference across clients, routes every frame of feedback
-to the algorithm's `feedback` or `discard_feedback`, learns, checkpoints and resumes. Every name,
-hook and rule of the PlugRL "Custom Algorithm" page holds here, with `plugrl_min` as the import
-path instead of `plugrl_server.*`.
+and the algorithm: it batches inference, routes every frame to `feedback` or `discard_feedback`,
+learns, checkpoints and resumes. Every name, hook and rule of the PlugRL "Custom Algorithm" page
+holds here, with `plugrl_min` as the import path instead of `plugrl_server.*`.
 
-The sections, in file order:
-  1. Wire format   2. State types   3. Registries   4. Policies   5. Algorithms
-  6. Server        7. Environment client            8. Command line
+Sections, in file order: 1. Wire format, 2. State types, 3. Registries, 4. Policies,
+5. Algorithms, 6. Server, 7. Environment client, 8. Command line.
 
-A first reading (under 700 lines; README.md has the line numbers) follows one frame from the
-client's observation to the algorithm and back:
-  - 2. State types, then 5. Algorithms: BaseAlgorithm (the contract), DummyAlgorithm, PG;
-  - 6. Server: the in-flight data, Server.accept (where a frame's step state leaves its slot),
-    then control_loop, infer_waiting, route_feedback, learn_once and write_metrics;
-  - 7. the client's rollout loop, run_episodes.
-It skips the rest (the byte layout, the networks, the wire side, the input checks, the physics,
-the command line). A second reading adds the learners on several ranks: DDPAlgorithm and PG's
-own hooks (5), Ranks and serve_as_learner (6); then LearnThreads, how a learn's thread count is
-chosen, and report, the figure every table of README.md quotes (6).
+The first reading (under 700 lines; README.md's map gives them) follows one frame as it travels:
+  - out of the client: its loop, run_episodes (7), sends an observation in an infer message;
+  - through the server (6): the in-flight data; Server.run and its two tasks; handle_client and
+    accept (the frame comes in); control_loop and infer_waiting (its action comes from infer);
+    route_feedback (feedback or discard_feedback, and why); learn_once (when learn runs, on
+    which thread, and why serving pauses); request_stop, on_signal and save (SIGTERM, and the
+    final checkpoint);
+  - what it carries: the state types and Checkpoint (2), and BaseTorchPolicy's contract (4);
+  - into the algorithm (5): BaseAlgorithm (the hooks), DummyAlgorithm, and PG, read as a learner
+    of one process (a second reading adds GAE, its checkpoint and what several ranks add).
+A second reading adds the rest, as README.md's map lists it.
 """
 
 import abc
@@ -34,12 +33,15 @@ import glob
 import hmac
 import importlib
 import importlib.util
+import inspect
 import io
 import itertools
 import json
 import math
 import os
+import re
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -75,6 +77,7 @@ TORCH_THREADS = torch.get_num_threads()  # torch's own count, before the server 
 #                "arrays": [[dtype, shape], ...]}. Array bytes: C order, little-endian, no padding.
 _HEADER_LENGTH = struct.Struct("<I")
 _MAX_DEPTH = 64  # a message needs a handful of levels; deeper is refused both ways
+MAX_MESSAGE_BYTES = 16 * 2**20  # a larger frame closes its connection (--max-message-bytes)
 # A header spells a dtype as numpy's dtype.str ("<f4", what pack writes) or by name ("float32").
 _DTYPE_NAMES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
                 "float16", "float32", "float64")
@@ -143,7 +146,8 @@ def _check_header(header: bytes) -> tuple:
         if end != len(text):
             raise ValueError(f"{len(text) - end} characters after its end")
     except (ValueError, RecursionError) as error:  # bad UTF-8 or JSON, or an int of 4300+ digits
-        raise ProtocolError(f"header is not valid JSON: {error}") from None
+        raise ProtocolError(f"header is not valid JSON: {error} (the JSON starts at byte 4 of the "
+                            "frame, right after its length, with '{', no space before)") from None
     message = body.get("message") if isinstance(body, dict) else None
     if not (isinstance(message, dict) and "__array__" not in message
             and isinstance(body.get("arrays"), list)):
@@ -183,7 +187,8 @@ def _with_arrays(template, arrays: list, depth: int):
     return copy
 
 
-# A client repeats its header frame after frame: unpack keeps the last 64 it checked (<= 4 KiB).
+# A client repeats its header frame after frame: unpack keeps up to 64 checked ones (<= 4 KiB
+# each), and forgets them all when a 65th comes.
 _CHECKED_HEADERS = {}  # header bytes -> (template, layout); the plain form checks every header
 
 
@@ -385,12 +390,12 @@ class BaseTorchPolicy(nn.Module):
 class DummyPolicyConfig:
     """Sizes of dummy-policy; the defaults fit dummy-v1 and pendulum-v1 (3 numbers in, 1 out)."""
 
-    obs_dim: int = 3
-    action_dim: int = 1
-    action_horizon: int = 1
-    hidden_size: int = 256
-    log_std_min: float = -5.0
-    log_std_max: float = 2.0
+    obs_dim: int = 3  # numbers in the observation's "state"
+    action_dim: int = 1  # numbers in one action, each in [-1, 1]
+    action_horizon: int = 1  # actions per decision: a chunk of H for MultiAction
+    hidden_size: int = 256  # the width of both hidden layers
+    log_std_min: float = -5.0  # the Gaussian's log-std is squashed into [min, max]
+    log_std_max: float = 2.0  # (see log_std_min)
 
 
 @register_policy("dummy-policy")
@@ -455,9 +460,9 @@ class DummyPolicy(BaseTorchPolicy):
 class CategoricalPolicyConfig:
     """Sizes of categorical-policy (discrete actions); the defaults fit cartpole-v1."""
 
-    obs_dim: int = 4
-    num_actions: int = 2
-    hidden_size: int = 64
+    obs_dim: int = 4  # numbers in the observation's "state"
+    num_actions: int = 2  # choices per step
+    hidden_size: int = 64  # the width of both hidden layers
 
 
 @register_policy_config("categorical-policy", "cartpole")
@@ -506,7 +511,7 @@ class CategoricalPolicy(BaseTorchPolicy):
 class BaseAlgoConfig:
     """Every algorithm config derives from this. global_steps is the run length (--algo.*)."""
 
-    global_steps: int | None = 100_000
+    global_steps: int | None = 100_000  # the run ends at this global step (None: never)
 
 
 class BaseAlgorithm(abc.ABC):
@@ -551,8 +556,9 @@ class BaseAlgorithm(abc.ABC):
         say what obs is: true means this frame begins an episode (obs is a reset observation),
         so nothing before it belongs to its trajectory. next_terminated/next_truncated are this
         transition's own. prev_node is a handle that links an environment's stored frames into
-        a trajectory: the node feedback returned for its previous stored frame, or (-1, "") when
-        there is none. Returns (this frame's node, global_step, log_dict).
+        a trajectory: what feedback returned for its previous frame, or (-1, "") when that frame
+        was discarded or there was none. Returns (prev_node, global_step, log_dict): the
+        prev_node to hand to this environment's next frame, the page's name for this frame's node.
         """
         raise NotImplementedError(f"{type(self).__name__}.feedback: store the frame and return "
                                   "(prev_node, global_step, log_dict)")
@@ -679,6 +685,24 @@ class DummyAlgorithm(BaseAlgorithm):
         self.saved_at_learn = checkpoint.meta["saved_at_learn"]
 
 
+@register_algo_config("pg")
+@dataclasses.dataclass
+class PGConfig(BaseAlgoConfig):
+    """pg's hyperparameters; every field is a flag (--algo.frames-per-learn 2048)."""
+
+    global_steps: int | None = 200_000  # frames stored, then the run ends
+    frames_per_learn: int = 1024  # the batch: a learn runs each time it is full
+    gamma: float = 0.99  # discount per decision
+    gae_lambda: float = 0.95  # GAE: 0 is the one-step TD error, 1 the Monte Carlo return
+    policy_lr: float = 1e-3  # Adam's step size for the policy
+    value_lr: float = 1e-3  # Adam's step size for the value network
+    value_epochs: int = 10  # value steps per learn on the whole batch; the policy takes one
+    ent_coef: float = 0.03  # an entropy bonus: keeps the policy from narrowing too soon
+    max_grad_norm: float = 0.5  # gradients are clipped to this norm, policy and value alike
+    value_hidden_size: int = 64  # the width of the value network's two hidden layers
+    save_every: int = 50  # learns between checkpoints
+
+
 class DDPAlgorithm(BaseAlgorithm):
     """BaseAlgorithm plus the hooks to learn on several ranks: under torch.distributed.run, rank 0
     serves and learns, the others only learn. At each learn rank 0's get_server_data() reaches
@@ -712,23 +736,11 @@ class DDPAlgorithm(BaseAlgorithm):
         """Rank 0's save, on one rank or many."""
         return self.create_ddp_checkpoint()
 
-
-@register_algo_config("pg")
-@dataclasses.dataclass
-class PGConfig(BaseAlgoConfig):
-    """pg's hyperparameters; every field is a flag (--algo.frames-per-learn 2048)."""
-
-    global_steps: int | None = 200_000  # frames stored, then the run ends
-    frames_per_learn: int = 1024  # the batch: a learn runs each time it is full
-    gamma: float = 0.99  # discount per decision
-    gae_lambda: float = 0.95  # GAE: 0 is the one-step TD error, 1 the Monte Carlo return
-    policy_lr: float = 1e-3
-    value_lr: float = 1e-3
-    value_epochs: int = 10  # value steps per learn on the whole batch; the policy takes one
-    ent_coef: float = 0.03  # an entropy bonus: keeps the policy from narrowing too soon
-    max_grad_norm: float = 0.5
-    value_hidden_size: int = 64
-    save_every: int = 50  # learns between checkpoints
+    def rank_share(self, n: int) -> slice:
+        """This rank's equal share of n rows (one rank: all of them); the last n % ranks sit out.
+        DistributedDataParallel averages the shares' gradients."""
+        ranks, rank = (dist.get_world_size(), dist.get_rank()) if self.ddp_enabled else (1, 0)
+        return slice(rank * (n // ranks), (rank + 1) * (n // ranks))
 
 
 @register_algo("pg")
@@ -792,6 +804,9 @@ class PG(DDPAlgorithm):
     def should_learn(self) -> bool:
         return self.stored >= self.config.frames_per_learn
 
+    def should_save(self) -> bool:
+        return self.learns - self.saved_at >= self.config.save_every
+
     def learn_impl(self) -> tuple[int, dict]:
         """Advantages, one policy step, value_epochs value steps; then a new batch."""
         cfg, n, device = self.config, self.stored, self.policy.device
@@ -799,10 +814,7 @@ class PG(DDPAlgorithm):
         advantage, value = self.advantages(frames)
         returns = advantage + value  # what the value network regresses to
         advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-8)
-        # Each rank takes an equal share of the rows (one rank: all of them); the last
-        # n % ranks rows sit out. DistributedDataParallel averages the shares' gradients.
-        ranks, rank = (dist.get_world_size(), dist.get_rank()) if self.ddp_enabled else (1, 0)
-        share = slice(rank * (n // ranks), (rank + 1) * (n // ranks))
+        share = self.rank_share(n)  # several ranks: this one's rows (one rank: all of them)
         obs = slice_rows(frames["obs"], share)
         # One policy step: a second would follow a policy that did not draw these samples.
         distribution = self.train_policy(obs)
@@ -825,6 +837,8 @@ class PG(DDPAlgorithm):
                                   "train/value_loss": value_loss.item(),
                                   "train/entropy": entropy.item()}
 
+    # --- A second reading: GAE, the checkpoint, the hooks of several ranks (DDPAlgorithm) ---
+
     def values(self, obs: dict) -> torch.Tensor:
         """V(obs) [B]: the value network on every observation key, flattened and joined."""
         inputs = torch.cat([array.flatten(1).float() for array in obs.values()], dim=1)
@@ -846,11 +860,6 @@ class PG(DDPAlgorithm):
             later = advantage[successor[row]] if successor[row] >= 0 else 0.0
             advantage[row] = delta[row] + cfg.gamma * cfg.gae_lambda * later
         return torch.from_numpy(advantage).to(value.device), value
-
-    def should_save(self) -> bool:
-        return self.learns - self.saved_at >= self.config.save_every
-
-    # --- Checkpoints and the hooks of several ranks (DDPAlgorithm): a second reading ----------
 
     def create_ddp_checkpoint(self) -> Checkpoint:
         """Policy, value network, optimizers, counters, and the frames of the unfinished batch."""
@@ -901,9 +910,6 @@ class PG(DDPAlgorithm):
 
 RUN_FINISHED = "run finished"  # the close reason that tells a client the run is over (exit 0)
 SERVER_FAILED = "server failed"  # the close reason's prefix when an algorithm hook raised
-SILENT = "client silent"  # the close reason's prefix when a client owed feedback too long
-MAX_MESSAGE_BYTES = 16 * 2**20
-CONFIG = "config.json"  # a run directory's first file, created exclusively: it marks a run
 NO_NODE = (-1, "")  # prev_node when there is no stored frame of this environment to link to
 
 
@@ -1013,7 +1019,8 @@ class Server:
         self.learned_frames = 0  # self.frames then: a learn's work grows with the frames since
         self.tasks = set()  # background tasks (asyncio keeps only weak references to them)
         self.local_clients = []  # (number, process, log path) of the --local-env-clients
-        self.learns = self.infer_calls = self.inferred_envs = 0
+        self.resumed_version = policy_version  # learns before this process: version counts all
+        self.infer_calls = self.inferred_envs = 0
         self.frames = 0  # routed since the start
         # The next line of metrics.jsonl: key -> [sum of weighted values, sum of weights], ...
         self.window, self.window_episodes, self.fed, self.discarded = {}, 0, 0, 0
@@ -1027,41 +1034,37 @@ class Server:
         # event loop's thread infers with one, the fastest for small batches.
         self.learn_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="learn")
 
-    def accept(self, conn: Connection, message: dict) -> InferRequest | FeedbackMessage:
-        """Check a message, queue it, and move its environments on. A feedback takes each
-        environment's step state out of its slot now: the environment may infer again at once."""
-        kind, env_ids = check_message(message, self.obs_spec)
-        if kind == "infer":
-            # The plain form, conn.slots.setdefault(i, EnvSlot()), builds a slot at every call.
-            if len(conn.slots) + len(env_ids) > self.max_envs and len(
-                    conn.slots.keys() | set(env_ids)) > self.max_envs:  # counted only near it
-                raise ProtocolError(f"infer: a connection may use at most {self.max_envs} "
-                                    "environments (the server's --max-envs-per-client)",
-                                    "step fewer environments per client, or start more clients")
-            slots = [conn.slots.get(i) or conn.slots.setdefault(i, EnvSlot()) for i in env_ids]
-            for i, slot in zip(env_ids, slots):
-                if slot.waiting or slot.step is not None:
-                    owes = "waits for its last action" if slot.waiting else "owes feedback"
-                    raise ProtocolError(f"infer: environment {i} {owes}",
-                                        "send feedback after every action, then infer")
-                slot.waiting = True
-            return InferRequest(conn, message["env_indices"], message["obs"])
-        slots = [conn.slots.get(i) for i in env_ids]
-        steps = [slot and slot.step for slot in slots]
-        if None in steps:
-            raise ProtocolError("feedback: an environment in env_indices has no action to "
-                                "answer", "send feedback only for environments given an action")
-        for slot in slots:
-            slot.step = None
-        conn.heard_at = self.serving_clock()
-        m = len(slots)
-        reward = message["reward"]
-        rewards = reward.tolist() if reward.ndim == 1 else list(reward)  # floats, or [k] rows
-        return FeedbackMessage(conn, env_ids, slots, steps, split_rows(message["obs"], m), rewards,
-                               message["terminated"].tolist(), message["truncated"].tolist(),
-                               split_rows(message.get("info", {}), m))
-
-    # --- The wire side: one task per connection ---------------------------------------------
+    async def run(self, host: str, port: int, on_listening=None) -> int:
+        """Serve until should_stop() or a signal (status 0), or a local client or hook fails (1).
+        The two tasks of the design: serve() gives every connection a task that only checks and
+        queues its messages (handle_client), and this one runs control_loop, where every hook
+        is called. on_listening(port) runs once the port is taken, before anything is written."""
+        self.loop = asyncio.get_running_loop()
+        # A ping every --feedback-timeout s keeps idle connections open; a late pong closes none:
+        # drop_silent_clients is the one rule for a client that went silent.
+        async with serve(self.handle_client, host, port, max_size=self.max_message_bytes,
+                         compression=None, process_request=self.check_token,
+                         ping_interval=self.feedback_timeout, ping_timeout=None) as server:
+            self.open_run(server.sockets, on_listening)
+            with open(os.path.join(self.run_dir, "metrics.jsonl"), "a", buffering=1) as metrics:
+                self.metrics_file = metrics
+                ticker = asyncio.create_task(self.tick())
+                try:
+                    await self.control_loop()
+                    code, reason, status = 1000, RUN_FINISHED, self.status
+                except Exception as error:  # a hook raised: no checkpoint is written after it
+                    traceback.print_exc()
+                    code, reason, status = 1011, f"{SERVER_FAILED}: {type(error).__name__}", 1
+                ticker.cancel()
+                # Stop accepting first, then close every open connection with the reason, the
+                # newest too; a handshake still in progress is refused (HTTP 503).
+                server.close(code=code, reason=reason)
+                await server.wait_closed()
+                if code == 1000 and self.frames:  # what the last learns and episodes logged
+                    self.add_to_window(self.algo.build_train_info(self.global_step, {})[1])
+                    self.write_metrics("end")
+        self.ended = self.finish_run(code, reason, status)
+        return self.ended
 
     async def handle_client(self, ws) -> None:
         """Send the metadata, then check and queue every message; a bad one closes this one."""
@@ -1086,24 +1089,34 @@ class Server:
             # Its queued infers are skipped; its feedback already queued was whole, and counts.
             self.connections.discard(conn)
 
-    def check_token(self, connection, request):
-        """Refuse, at the handshake, a client without the run's token (HTTP 401)."""
-        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        if self.token is None or hmac.compare_digest(given, f"Bearer {self.token}".encode()):
-            return None  # compare_digest compares in constant time
-        return connection.respond(401, "missing or wrong token\n")
-
-    async def reject(self, conn: Connection, error: ProtocolError) -> None:
-        """Tell the client what was wrong, then close its connection (and no other)."""
-        self.connections.discard(conn)
-        reply = {"message_type": "error", "message": str(error), "hint": error.hint}
-        try:
-            await conn.ws.send(pack_message(reply))
-            await conn.ws.close(1008, str(error).encode()[:120].decode(errors="ignore"))
-        except websockets.ConnectionClosed:
-            pass
-
-    # --- The algorithm side: one control task --------------------------------------------------
+    def accept(self, conn: Connection, message: dict) -> InferRequest | FeedbackMessage:
+        """Check a message, queue it, and move its environments on. A feedback takes each
+        environment's step state out of its slot now: the environment may infer again at once."""
+        kind, env_ids = check_message(message, self.obs_spec)
+        if kind == "infer":
+            self.check_env_cap(conn, env_ids)  # one client must not hold the loop for everyone
+            # The plain form, conn.slots.setdefault(i, EnvSlot()), builds a slot at every call.
+            slots = [conn.slots.get(i) or conn.slots.setdefault(i, EnvSlot()) for i in env_ids]
+            for i, slot in zip(env_ids, slots):
+                if slot.waiting or slot.step is not None:
+                    owes = "waits for its last action" if slot.waiting else "owes feedback"
+                    raise ProtocolError(f"infer: environment {i} {owes}",
+                                        "send feedback after every action, then infer")
+                slot.waiting = True
+            return InferRequest(conn, message["env_indices"], message["obs"])
+        slots = [conn.slots.get(i) for i in env_ids]
+        steps = [slot and slot.step for slot in slots]
+        if None in steps:
+            raise ProtocolError("feedback: an environment in env_indices has no action to "
+                                "answer", "send feedback only for environments given an action")
+        for slot in slots:
+            slot.step = None
+        conn.heard_at = self.serving_clock()
+        m = len(slots)
+        return FeedbackMessage(conn, env_ids, slots, steps, split_rows(message["obs"], m),
+                               split_rows(message["reward"], m),  # floats, or [k] rows
+                               message["terminated"].tolist(), message["truncated"].tolist(),
+                               split_rows(message.get("info", {}), m))
 
     async def control_loop(self) -> None:
         """Route feedback; learn while should_learn(); save; stop; answer the waiting infers."""
@@ -1124,7 +1137,7 @@ class Server:
                 await self.learn_once()
             stop = self.stop_requested or self.algo.should_stop()
             if self.frames and (stop or self.algo.should_save()):  # none for a run of no frame
-                self.save()
+                self.save()  # create_checkpoint(), and the server's counters beside, to disk
             if stop:
                 return
             if self.waiting:
@@ -1198,8 +1211,7 @@ class Server:
                 if log:
                     self.add_to_window(log)
                 self.fed += 1
-            if self.trace_left > 0:
-                self.trace_frame(message, j, node, discard, stale)
+            self.trace_frame(message, j, node, discard, stale)  # --trace N: the first N frames
             slot.prev_node = node
             slot.terminated = next_terminated
             slot.truncated = next_truncated
@@ -1208,34 +1220,98 @@ class Server:
     async def learn_once(self) -> None:
         """pre_learn, learn() in the worker thread (the event loop keeps answering), post_learn."""
         loop = asyncio.get_running_loop()
-        threads = self.threads.choose()
         started = time.monotonic()
         if self.ranks is not None:  # several ranks: each gets the batch, then all learn at once
             await loop.run_in_executor(self.learn_executor, self.ranks.send_learn, self.algo,
-                                       threads)
+                                       self.threads.choose())
         self.algo.pre_learn()
-        (self.global_step, log), seconds = await loop.run_in_executor(
-            self.learn_executor, self.timed_learn, threads)
-        warning = self.threads.record(threads, seconds, self.frames - self.learned_frames)
-        if warning:
-            print(f"\nwarning: {warning}", file=sys.stderr, flush=True)
-        self.learned_frames = self.frames
+        self.global_step, log = await loop.run_in_executor(self.learn_executor, self.timed_learn)
         self.algo.post_learn()
-        self.learning_seconds += time.monotonic() - started
+        self.learning_seconds += time.monotonic() - started  # the serving clock stood still
         self.version += 1
-        self.learns += 1
         if self.trace_left > 0:
             print(f"trace: learn {self.learns} -> policy version {self.version}", flush=True)
-        self.add_to_window({**log, "server/learn_seconds": seconds})  # averaged, as train/* are
+        self.add_to_window(log)
         if self.frames - self.logged_at >= self.log_every:
             self.write_metrics("learn")
         self.show_progress()  # also while should_learn() stays true and no frame comes
 
-    def timed_learn(self, threads: int) -> tuple[tuple[int, dict], float]:
-        """learn() on `threads` torch threads, in the learn thread; and how long it took."""
+    def request_stop(self) -> None:
+        """Stop after the learn in progress: a final checkpoint, the clients told."""
+        self.stop_requested = True
+        self.wake.set()
+
+    def on_signal(self, *_) -> None:
+        """SIGINT or SIGTERM: stop cleanly. Copies within a second are the same request (timeout,
+        docker stop, Slurm and a terminal's Ctrl-C send several); a later one quits at once.
+        A plain handler (signal.signal), installed by the command line until the process exits:
+        it runs between two lines of the loop's thread, a final save's too, and after the loop."""
+        now = time.monotonic()
+        if self.signalled_at is not None:
+            if now - self.signalled_at < 1.0:
+                return
+            if self.ended is not None:  # the run is over and saved: nothing is left to lose
+                os._exit(self.ended)
+            print("\nstopped again: exiting now, without a final checkpoint", file=sys.stderr,
+                  flush=True)
+            os._exit(130)
+        self.signalled_at = now
+        print("\nstopping: a final checkpoint once the learn in progress (if any) ends; "
+              "Ctrl-C again quits without one", file=sys.stderr, flush=True)
+        self.stop_requested = True
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.wake.set)
+
+    # --- Second reading: the run's files, the wire's details, timeouts and progress ----------
+
+    def save(self) -> None:
+        """A checkpoint; then this run's own older ones are pruned (the newest three stay)."""
+        counters = {"global_step": self.global_step, "policy_version": self.version}
+        path = save_checkpoint(self.run_dir, self.algo.create_checkpoint(), counters)
+        self.saved = [old for old in self.saved if old != path] + [path]
+        for old in self.saved[:-3]:
+            os.remove(old)
+        self.saved = self.saved[-3:]
+
+    def timed_learn(self) -> tuple[int, dict]:
+        """learn() in the learn thread, on the torch threads LearnThreads chose, and timed."""
+        threads = self.threads.choose()
         torch.set_num_threads(threads)  # cheap, and per OS thread: inference keeps its one
         started = time.perf_counter()
-        return self.algo.learn(), time.perf_counter() - started
+        global_step, log = self.algo.learn()
+        seconds = time.perf_counter() - started
+        warning = self.threads.record(threads, seconds, self.frames - self.learned_frames)
+        if warning:
+            print(f"\nwarning: {warning}", file=sys.stderr, flush=True)
+        self.learned_frames = self.frames
+        return global_step, {**log, "server/learn_seconds": seconds}  # averaged, as train/* are
+
+    def open_run(self, sockets: list, on_listening) -> None:
+        """Say where it listens, as a URL; on_listening(port); then open TensorBoard's files.
+        With --host '' and --port 0 each family has a port of its own: IPv4's is the one told."""
+        ipv4 = [sock for sock in sockets if sock.family == socket.AF_INET]
+        host, port = (ipv4 or sockets)[0].getsockname()[:2]
+        print(f"listening on ws://{f'[{host}]' if ':' in host else host}:{port}", flush=True)
+        if on_listening is not None:
+            on_listening(port)
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.tensorboard = open_tensorboard(self.run_dir)
+
+    def finish_run(self, code: int, reason: str, status: int) -> int:
+        """After the clients were told: the other ranks stop, the run's report; the status."""
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        try:  # the other ranks are told last: a dead one cannot keep the clients waiting
+            if self.ranks is not None:
+                self.ranks.broadcast({"order": "stop"})
+        except RuntimeError as error:
+            print(f"error: a learner rank is gone ({str(error).splitlines()[0]})", file=sys.stderr)
+            status = 1
+        print(f"\n{reason}: global step {self.global_step}, {self.learns} learns", flush=True)
+        if code == 1000:
+            print(report([self.run_dir]) if self.frames else "no frame was served: no "
+                  "checkpoint or metrics line was written", flush=True)
+        return status
 
     def add_to_window(self, log: dict) -> None:
         """Count a learn's log, or a frame's feedback log, into the next line of metrics.jsonl.
@@ -1274,6 +1350,8 @@ class Server:
     def trace_frame(self, message: FeedbackMessage, j: int, node: tuple, discard: bool,
                     stale: bool) -> None:
         """--trace: one line on one frame, from its infer batch to where its feedback went."""
+        if self.trace_left <= 0:
+            return
         self.trace_left -= 1
         step = message.steps[j]
         action = np.array2string(step.batch.action[step.row].ravel(), precision=3)
@@ -1286,6 +1364,23 @@ class Server:
               f"{len(step.batch.action)} at version {step.batch.version} | action {action} | "
               f"-> {where} | prev_node {message.slots[j].prev_node} -> {node}", flush=True)
 
+    def check_token(self, connection, request):
+        """Refuse, at the handshake, a client without the run's token (HTTP 401)."""
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if self.token is None or hmac.compare_digest(given, f"Bearer {self.token}".encode()):
+            return None  # compare_digest compares in constant time
+        return connection.respond(401, "missing or wrong token\n")
+
+    async def reject(self, conn: Connection, error: ProtocolError) -> None:
+        """Tell the client what was wrong, then close its connection (and no other)."""
+        self.connections.discard(conn)
+        reply = {"message_type": "error", "message": str(error), "hint": error.hint}
+        try:
+            await conn.ws.send(pack_message(reply))
+            await conn.ws.close(1008, str(error).encode()[:120].decode(errors="ignore"))
+        except websockets.ConnectionClosed:
+            pass
+
     def watch_local_clients(self) -> None:
         """A local env client (--local-env-clients) that failed stops the run, with status 1."""
         for number, process, log_path in self.local_clients:
@@ -1296,6 +1391,19 @@ class Server:
                       f"{process.returncode}: {last} (its log: {log_path})", file=sys.stderr)
                 self.status = 1
                 self.request_stop()
+
+    @property
+    def learns(self) -> int:
+        """The learns of this process (a resumed run's policy version counts the earlier too)."""
+        return self.version - self.resumed_version
+
+    def check_env_cap(self, conn: Connection, env_ids: list) -> None:
+        """Refuse an infer that gives a connection more than --max-envs-per-client environments."""
+        if len(conn.slots) + len(env_ids) > self.max_envs and len(
+                conn.slots.keys() | set(env_ids)) > self.max_envs:  # counted only near the cap
+            raise ProtocolError(f"infer: a connection may use at most {self.max_envs} "
+                                "environments (the server's --max-envs-per-client)",
+                                "step fewer environments per client, or start more clients")
 
     def serving_clock(self) -> float:
         """Seconds of serving: a clock that stands still while the server learns."""
@@ -1336,88 +1444,8 @@ class Server:
                 self.request_stop()
             self.wake.set()
 
-    def request_stop(self) -> None:
-        """Stop after the learn in progress: a final checkpoint, the clients told."""
-        self.stop_requested = True
-        self.wake.set()
 
-    def on_signal(self, *_) -> None:
-        """SIGINT or SIGTERM: stop cleanly. Copies within a second are the same request (timeout,
-        docker stop, Slurm and a terminal's Ctrl-C send several); a later one quits at once.
-        A plain handler (signal.signal), installed by the command line until the process exits:
-        it runs between two lines of the loop's thread, a final save's too, and after the loop."""
-        now = time.monotonic()
-        if self.signalled_at is not None:
-            if now - self.signalled_at < 1.0:
-                return
-            if self.ended is not None:  # the run is over and saved: nothing is left to lose
-                os._exit(self.ended)
-            print("\nstopped again: exiting now, without a final checkpoint", file=sys.stderr,
-                  flush=True)
-            os._exit(130)
-        self.signalled_at = now
-        print("\nstopping: a final checkpoint once the learn in progress (if any) ends; "
-              "Ctrl-C again quits without one", file=sys.stderr, flush=True)
-        self.stop_requested = True
-        if self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.wake.set)
-
-    def save(self) -> None:
-        """A checkpoint; then this run's own older ones are pruned (the newest three stay)."""
-        counters = {"global_step": self.global_step, "policy_version": self.version}
-        path = save_checkpoint(self.run_dir, self.algo.create_checkpoint(), counters)
-        self.saved = [old for old in self.saved if old != path] + [path]
-        for old in self.saved[:-3]:
-            os.remove(old)
-        self.saved = self.saved[-3:]
-
-    async def run(self, host: str, port: int, on_listening=None) -> int:
-        """Serve until should_stop() or a signal (status 0), or a local client or hook fails (1).
-        on_listening(port) runs once the port is taken, before the run directory is written."""
-        self.loop = asyncio.get_running_loop()
-        # A ping every --feedback-timeout s keeps idle connections open; a late pong closes none:
-        # drop_silent_clients is the one rule for a client that went silent.
-        async with serve(self.handle_client, host, port, max_size=self.max_message_bytes,
-                         compression=None, process_request=self.check_token,
-                         ping_interval=self.feedback_timeout, ping_timeout=None) as server:
-            address, port = server.sockets[0].getsockname()[:2]
-            print(f"listening on ws://{f'[{address}]' if ':' in address else address}:{port}",
-                  flush=True)
-            if on_listening is not None:
-                on_listening(port)
-            os.makedirs(self.run_dir, exist_ok=True)
-            self.tensorboard = open_tensorboard(self.run_dir)
-            with open(os.path.join(self.run_dir, "metrics.jsonl"), "a", buffering=1) as metrics:
-                self.metrics_file = metrics
-                ticker = asyncio.create_task(self.tick())
-                try:
-                    await self.control_loop()
-                    code, reason, status = 1000, RUN_FINISHED, self.status
-                except Exception as error:  # a hook raised: no checkpoint is written after it
-                    traceback.print_exc()
-                    code, reason, status = 1011, f"{SERVER_FAILED}: {type(error).__name__}", 1
-                ticker.cancel()
-                # Stop accepting first, then close every open connection with the reason, the
-                # newest too; a handshake still in progress is refused (HTTP 503).
-                server.close(code=code, reason=reason)
-                await server.wait_closed()
-                if code == 1000 and self.frames:  # what the last learns and episodes logged
-                    self.add_to_window(self.algo.build_train_info(self.global_step, {})[1])
-                    self.write_metrics("end")
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-        try:  # the other ranks are told last: a dead one cannot keep the clients waiting
-            if self.ranks is not None:
-                self.ranks.broadcast({"order": "stop"})
-        except RuntimeError as error:
-            print(f"error: a learner rank is gone ({str(error).splitlines()[0]})", file=sys.stderr)
-            status = 1
-        print(f"\n{reason}: global step {self.global_step}, {self.learns} learns", flush=True)
-        if code == 1000:
-            print(report([self.run_dir]) if self.frames else "no frame was served: no "
-                  "checkpoint or metrics line was written", flush=True)
-        self.ended = status
-        return status
+SILENT = "client silent"  # the close reason's prefix when a client owed feedback too long
 
 
 # --- The run directory: checkpoints, metrics.jsonl, TensorBoard, the report -------------------
@@ -1491,7 +1519,7 @@ def read_metrics(run_dir: str) -> list[dict]:
 
 
 def return_curve(lines: list[dict], episodes: int = 100) -> list[tuple[int, float]]:
-    """(step, mean return of the last 100 episodes) at every line that saw episodes: the mean
+    """(step, mean return of the last 100+ episodes) at every line that saw episodes: the mean
     over the newest lines that hold at least 100 of them, each weighted by rollout/episodes."""
     curve, held = [], []  # held: (episodes, mean return) of the newest lines that are needed
     for line in lines:
@@ -1516,7 +1544,7 @@ def report(run_dirs: list[str], reach: float | None = None) -> str:
                    f"{sum(line['server/discarded'] for line in lines):,} discarded",
                    f"{sum(line['rollout/episodes'] for line in lines):,} episodes"]
         if curve:
-            figures += [f"last 100 episodes {curve[-1][1]:.2f}",
+            figures += [f"last 100+ episodes {curve[-1][1]:.2f}",
                         f"best {max(mean for _, mean in curve):.2f}"]
         if reach is not None:
             step = next((step for step, mean in curve if mean >= reach), None)
@@ -1540,7 +1568,7 @@ def text_chart(curves: dict, rows: int = 12, width: int = 60) -> str:
             column = round((width - 1) * step / right)
             grid[row][column] = mark if grid[row][column] in (" ", mark) else "*"  # *: several
     labels = [f"{high:10.2f}", *[" " * 10] * (rows - 2), f"{low:10.2f}"]
-    return "\n".join(["mean return of the last 100 episodes, by step",
+    return "\n".join(["mean return of the last 100+ episodes, by step",
                       *(f"{label} |{''.join(cells)}" for label, cells in zip(labels, grid)),
                       f"{'':10} +{'-' * width}", f"{'':10} 0{right:>{width},}"])
 
@@ -2237,6 +2265,8 @@ async def run_env_client(args) -> int:
 # ===== 8. Command line: the server (POLICY VARIANT ALGO VARIANT) and the env-client =====
 # PlugRL page: plugrl-run-server and plugrl-run-env-client, flags from the config dataclasses.
 
+CONFIG = "config.json"  # a run directory's first file, created exclusively: it marks a run
+
 def _flag_type(hint):
     """argparse's type= for a config field of type int, float, str or bool, each maybe | None."""
     base = next((arg for arg in typing.get_args(hint) if arg is not type(None)), hint)
@@ -2267,7 +2297,7 @@ def _choose(configs: dict, classes: dict, kind: str, uid: str, variant: str):
     decorator = f"@register_{'algo' if kind == 'algorithm' else kind}_config({uid!r})"
     hint = ("" if any(known == uid for known, _ in configs) else
             f"; {uid!r} is registered without a config: register one with {decorator}"
-            if uid in classes else f"; if {uid!r} is defined in a plug-in module, add --plugin MODULE")
+            if uid in classes else f"; if {uid!r} is defined in a plug-in, add --plugin MODULE")
     print(f"error: unknown {kind} {uid!r} variant {variant!r}; known: {_registered(configs)}{hint}",
           file=sys.stderr)
     raise SystemExit(2)
@@ -2278,6 +2308,18 @@ def fitting_env(policy: BaseTorchPolicy) -> str | None:
     space = action_space(policy.action_dim, policy.num_actions)
     return next((env_id for env_id, env in ENVIRONMENTS.items() if env.obs_spec == policy.obs_spec
                  and action_space(env.action_dim, env.num_actions) == space), None)
+
+
+def field_comments(config_class) -> dict:
+    """Field name -> the comment on its line of the config's source: its flag's --help."""
+    comments = {}
+    for klass in reversed(config_class.__mro__):  # a subclass's comment replaces its base's
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):  # a class made at run time has no source
+            continue
+        comments.update(re.findall(r"^\s+(\w+)\s*:[^#\n]*#\s*(.+)$", source, re.M))
+    return comments
 
 
 def _building(what: str, build, *args):
@@ -2307,12 +2349,14 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
                                      description="Serve this policy and algorithm over WebSocket.")
     for prefix, config in configs.items():  # --policy.hidden-size, --algo.global-steps, ...
         hints = typing.get_type_hints(type(config))
+        comments = field_comments(type(config))
         group = parser.add_argument_group(f"--{prefix}.* ({type(config).__name__})")
         for field in dataclasses.fields(config):
             default = getattr(config, field.name)
             group.add_argument(f"--{prefix}.{field.name.replace('_', '-')}", metavar="V",
                                dest=f"{prefix}.{field.name}", type=_flag_type(hints[field.name]),
-                               default=default, help=f"default: {default}")
+                               default=default, help=f"{comments.get(field.name, '')} "
+                               f"(default: {default})".replace("%", "%%").lstrip())
     add = parser.add_argument
     add("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     add("--port", type=int, help="0 picks a free port, printed at start (default: 8000; with "
@@ -2327,10 +2371,12 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
     add("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="auto: cuda if any")
     add("--learn-threads", type=int, metavar="N",
         help="torch threads per learn (default: 1 or all, whichever learns faster, timed anew)")
-    add("--log-every", type=int, default=1000, metavar="F", help="steps between metrics lines")
+    add("--log-every", type=int, default=1000, metavar="F",
+        help="routed frames (stored or discarded) between lines of metrics.jsonl")
     add("--trace", type=int, default=0, metavar="N", help="narrate the first N frames and learns")
-    add("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help="larger frames close")
-    add("--feedback-timeout", type=float, default=60.0,
+    add("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, metavar="B",
+        help="a larger frame closes its connection (1009)")
+    add("--feedback-timeout", type=float, default=60.0, metavar="S",
         help="seconds of serving a client may owe feedback (also the ping interval)")
     add("--max-envs-per-client", type=int, default=4096, metavar="N",
         help="environments one connection may use: one client cannot hold the loop")
@@ -2344,8 +2390,11 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
         print("error: --resume needs --run-dir, the run directory to continue", file=sys.stderr)
         return 2
     if args.run_dir and not args.resume and os.path.exists(os.path.join(args.run_dir, CONFIG)):
-        print(f"error: {args.run_dir} holds a run already: add --resume to continue it, or "
-              "name another --run-dir", file=sys.stderr)
+        served = glob.glob(os.path.join(args.run_dir, "checkpoints", "step_*.pt"))
+        print(f"error: {args.run_dir} holds a run already: " + (
+            "add --resume to continue it, or name another --run-dir" if served else
+            "one that served no frame (its env-client-N.log may say why): remove the folder, or "
+            "name another --run-dir"), file=sys.stderr)
         return 2
     for prefix, config in configs.items():
         for field in dataclasses.fields(config):
@@ -2504,7 +2553,7 @@ def report_main(argv: list[str]) -> int:
                                      description="Compare runs from their metrics.jsonl.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     parser.add_argument("--reach", type=float, metavar="R",
-                        help="also the first step at which the last-100 mean reached R")
+                        help="also the first step at which the last-100+ mean reached R")
     args = parser.parse_args(argv)
     try:
         print(report(args.run_dirs, args.reach), flush=True)

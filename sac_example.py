@@ -39,13 +39,13 @@ UID = "sac"  # the name on the command line: python plugrl_min.py dummy-policy d
 class SACConfig(BaseAlgoConfig):
     """SAC's hyperparameters. global_steps counts stored frames and ends the run."""
 
-    global_steps: int | None = 15_000
+    global_steps: int | None = 15_000  # frames stored, then the run ends
     buffer_size: int = 1_000_000  # frames kept; the oldest is overwritten first
     gamma: float = 0.99  # discount per decision
     tau: float = 0.005  # the target networks move this fraction toward the critics per update
-    batch_size: int = 256
+    batch_size: int = 256  # frames per update, drawn uniformly from the buffer
     learning_starts: int = 5_000  # frames of uniform random actions before the first update
-    policy_lr: float = 3e-4
+    policy_lr: float = 3e-4  # Adam's step size for the actor
     q_lr: float = 1e-3  # for the critics and the entropy coefficient, as CleanRL
     policy_frequency: int = 2  # every 2nd update runs 2 actor updates (TD3's delay)
     target_network_frequency: int = 1  # updates between target network moves
