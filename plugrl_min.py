@@ -14,8 +14,8 @@ The first reading (under 700 lines; README.md's map gives them) follows one fram
   - through the server (6): the in-flight data; Server.run and its two tasks; handle_client and
     accept (the frame comes in); control_loop and infer_waiting (its action comes from infer);
     route_feedback (feedback or discard_feedback, and why); learn_once (when learn runs, on
-    which thread, and why serving pauses); request_stop, on_signal and save (SIGTERM, and the
-    final checkpoint);
+    which thread, and why serving pauses); request_stop and on_signal (SIGTERM: control_loop
+    then writes the final checkpoint and run tells every client);
   - what it carries: the state types and Checkpoint (2), and BaseTorchPolicy's contract (4);
   - into the algorithm (5): BaseAlgorithm (the hooks), DummyAlgorithm, and PG, read as a learner
     of one process (a second reading adds GAE, its checkpoint and what several ranks add).

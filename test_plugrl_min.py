@@ -6,6 +6,7 @@ imported into a fresh interpreter)."""
 
 import argparse
 import ast
+import base64
 import asyncio
 import collections
 import contextlib
@@ -30,6 +31,7 @@ import tracemalloc
 import types
 import unittest.mock
 import urllib.parse
+import warnings
 
 import numpy as np
 import pytest
@@ -6544,6 +6546,13 @@ def test_a_client_owing_feedback_while_another_trains_is_dropped_after_the_timeo
     assert learns > 10 and 1.5 <= waited < 40  # learns came all the while; their time did not count
 
 
+def connections_to(port: int) -> int:
+    """Open TCP connections that the server on 127.0.0.1:port accepted (Linux's /proc/net/tcp)."""
+    with open("/proc/net/tcp") as table:
+        rows = [line.split() for line in table.readlines()[1:]]
+    return sum(1 for row in rows if int(row[1].split(":")[1], 16) == port and row[3] == "01")
+
+
 def env_client_process(tmp_path, name, port, *flags) -> Background:
     return Background(tmp_path, name, ["plugrl_min.py", "env-client", "dummy-v1", "--server-port", str(port),
                                        "--num-episodes", "0", *flags])
@@ -6557,7 +6566,7 @@ def test_a_paused_client_survives_a_pause_shorter_than_the_timeout_and_is_droppe
     with Background(tmp_path, "server", dummy_server(run_dir, *flags)) as server:
         port = server.port()
         with env_client_process(tmp_path, "paused", port) as client:
-            wait_for(lambda: metrics_lines(run_dir) >= 2, 60, "both clients training")
+            wait_for(lambda: connections_to(port) == 2 and metrics_lines(run_dir) >= 2, 60, "both clients training")
             client.proc.send_signal(signal.SIGSTOP)  # a debugger, a slow env.step, kill -STOP
             time.sleep(pause)
             client.proc.send_signal(signal.SIGCONT)
@@ -6641,3 +6650,153 @@ def test_a_header_with_a_space_before_its_json_says_where_the_json_must_start():
     with pytest.raises(ProtocolError, match=re.escape("(the JSON starts at byte 4 of the frame, right after its "
                                                       "length, with '{', no space before)")):
         unpack_message(len(header).to_bytes(4, "little") + header)
+
+
+# =============================================================================================
+# The quick contract check: python -m pytest -q test_plugrl_min.py -m contract
+# =============================================================================================
+# The sections that test the PlugRL contract itself (the wire and its errors, the registries, the page's
+# troubleshooting, routing and the hooks' order, chains and counts, the page's template, stop, checkpoints and
+# resume) are marked `contract`; none of them pins pg's or sac's internals, so an edit of pg (exercise 8's PPO)
+# keeps them green while it keeps the contract.
+
+CONTRACT_SECTIONS = ("1. Wire format", "2. Registries", "3. The page's troubleshooting", "4. Routing",
+                     "5. The page's minimal template", "1. Bad input", "6. Stop and resume")
+
+
+def mark_the_contract() -> None:
+    """Mark every test of CONTRACT_SECTIONS `contract` (a section: from its heading to the next one)."""
+    with warnings.catch_warnings():  # a marker of this file's own: no ini file registers it
+        warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
+        contract = pytest.mark.contract
+    with open(__file__) as file:
+        lines = file.read().splitlines()
+    headings = [(number, line[2:]) for number, line in enumerate(lines, 1)
+                if lines[number - 2].startswith("# =====") and line.startswith("# ") and "=====" not in line]
+    for name, test in list(globals().items()):
+        if name.startswith("test_") and callable(test):
+            start = inspect.getsourcelines(test)[1]
+            section = max((number, heading) for number, heading in headings if number < start)[1]
+            if section.startswith(CONTRACT_SECTIONS):
+                test.pytestmark = [*getattr(test, "pytestmark", []), contract.mark]
+
+
+mark_the_contract()
+
+
+def test_the_quick_contract_check_covers_routing_hooks_chains_checkpoints_and_the_wires_errors():
+    marked = {name for name, test in globals().items()
+              if name.startswith("test_") and any(mark.name == "contract" for mark in getattr(test, "pytestmark", []))}
+    for part in ("feedback", "discard", "prev_node", "checkpoint", "resume", "error", "learn"):
+        assert any(part in name for name in marked), part
+    assert not any("bench" in name for name in marked)
+
+
+def test_the_readmes_table_of_environments_agrees_with_the_code():
+    rows = re.findall(r"^\| `([a-z]+-v1)` \| float32 \[(\d+)\]: [^|]* \| [^|]* \| (\d+) \| .* \| (continuous|discrete), "
+                      r"(\d+) (?:number|choices)", readme(), re.M)
+    assert [row[0] for row in rows] == ["dummy-v1", "pendulum-v1", "cartpole-v1"]
+    for env_id, size, length, kind, count in rows:
+        env = plugrl_min.ENVIRONMENTS[env_id]
+        assert env.obs_spec == {"state": ((int(size),), "float32")} and env.max_steps == int(length), env_id
+        assert (env.num_actions, env.action_dim) == ((None, int(count)) if kind == "continuous" else (int(count), 1))
+
+
+def test_the_readmes_default_run_lengths_are_the_configs():
+    line = " ".join(readme().split("The algorithms' default run lengths")[1].split("\n\n")[0].split())
+    for algo in ("dummy", "pg", "sac"):
+        steps = plugrl_min._ALGO_CONFIGS[(algo, "default")].global_steps
+        assert f"`{algo}` {steps:,}" in line, algo
+
+
+# --- The WebSocket layer, by hand on a raw socket: what README.md tells a client without a library -------------
+
+def raw_websocket(port) -> tuple[socket.socket, bytes]:
+    """RFC 6455's handshake written by hand: the socket, and the bytes read past the 101 response."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    key = base64.b64encode(os.urandom(16)).decode()
+    sock.sendall(f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, rest = data.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 101"), head
+    return sock, rest
+
+
+def ws_frame(payload: bytes, opcode=2, fin=True, mask=True) -> bytes:
+    """One client frame: binary (2) or continuation (0), masked as RFC 6455 requires of a client."""
+    n = len(payload)
+    size = bytes([n]) if n < 126 else bytes([126]) + n.to_bytes(2, "big")
+    head = bytes([0x80 * fin | opcode, size[0] | 0x80 * mask]) + size[1:]
+    if not mask:
+        return head + payload
+    key = os.urandom(4)
+    return head + key + bytes(byte ^ key[i % 4] for i, byte in enumerate(payload))
+
+
+def read_ws_frame(sock, buffered: bytes) -> tuple[int, bytes, bytes]:
+    """The server's next frame (unmasked, unfragmented): (opcode, payload, the bytes read past it)."""
+    def take(count):
+        nonlocal buffered
+        while len(buffered) < count:
+            buffered += sock.recv(65536)
+        part, buffered = buffered[:count], buffered[count:]
+        return part
+
+    first, second = take(2)
+    n = second & 0x7F
+    n = int.from_bytes(take(2), "big") if n == 126 else int.from_bytes(take(8), "big") if n == 127 else n
+    return first & 0x0F, take(n), buffered
+
+
+def raw_exchange(port, *frames: bytes) -> list[tuple[int, bytes]]:
+    """Open by hand, read the metadata, send the frames, read until the server answers or closes."""
+    sock, buffered = raw_websocket(port)
+    with sock:
+        opcode, metadata, buffered = read_ws_frame(sock, buffered)
+        assert opcode == 2 and unpack_message(metadata)["message_type"] == "metadata"
+        for frame in frames:
+            sock.sendall(frame)
+        opcode, payload, buffered = read_ws_frame(sock, buffered)
+        return [(opcode, payload)]
+
+
+def test_an_unmasked_client_frame_closes_the_connection_with_1002_and_no_error_message(tmp_path):
+    infer = pack_message({"message_type": "infer", "env_indices": np.array([0], np.int64), "obs": obs_of([0.5])})
+    _, [(opcode, payload)] = run_server(Probe(), tmp_path, lambda port, server: asyncio.to_thread(
+        raw_exchange, port, ws_frame(infer, mask=False)))
+    assert opcode == 8 and payload[:2] == (1002).to_bytes(2, "big") and payload[2:] == b"incorrect masking"
+
+
+def test_an_infer_in_two_fragments_is_answered_as_one_message(tmp_path):
+    infer = pack_message({"message_type": "infer", "env_indices": np.array([0], np.int64), "obs": obs_of([0.5])})
+    fragments = [ws_frame(infer[:10], opcode=2, fin=False), ws_frame(infer[10:], opcode=0)]
+    _, [(opcode, payload)] = run_server(Probe(), tmp_path, lambda port, server: asyncio.to_thread(
+        raw_exchange, port, *fragments))
+    reply = unpack_message(payload)
+    assert opcode == 2 and reply["message_type"] == "action" and reply["action"].ravel().tolist() == [0.5]
+
+
+def test_an_infer_for_no_environment_gets_an_action_for_no_environment(tmp_path):
+    infer = pack_message({"message_type": "infer", "env_indices": np.zeros(0, np.int64),
+                          "obs": {"state": np.zeros((0, 3), np.float32)}})
+    _, [(opcode, payload)] = run_server(dummy_algo(small_policy(), None), tmp_path, lambda port, server:
+                                        asyncio.to_thread(raw_exchange, port, ws_frame(infer)))
+    reply = unpack_message(payload)
+    assert opcode == 2 and reply["message_type"] == "action" and reply["action"].shape == (0, 1, 1)
+
+
+def test_a_students_my_env_and_my_algo_in_the_project_folder_do_not_change_the_tests_results(tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    for name in ("plugrl_min.py", "sac_example.py", "test_plugrl_min.py", "README.md"):
+        shutil.copy(os.path.join(HERE, name), project / name)
+    for module in ("my_env", "my_algo", "my_camera"):  # the names README.md and its exercises use
+        (project / f"{module}.py").write_text(f"raise RuntimeError('the tests imported a student\\'s {module}.py')\n")
+    chosen = "readme_own_environment or plugins_environment_runs_in_the_env_client or two_observation_keys"
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_plugrl_min.py",
+                             "-k", chosen], cwd=project, env=subprocess_env(), capture_output=True, text=True,
+                            timeout=300, stdin=subprocess.DEVNULL)
+    assert re.search(r"^\d+ passed", result.stdout.splitlines()[-1]) and "failed" not in result.stdout, result.stdout
