@@ -6177,7 +6177,7 @@ def test_bench_pg_learn_time_on_one_and_two_ranks(tmp_path):
           f"{torch.get_num_threads()} threads, two ranks on one thread each\n" + "\n".join(rows))
 
 
-def test_the_readmes_bytes_per_learn_for_the_default_pg_batch_are_what_rank_0_sends():
+def test_pg_sends_the_readmes_bytes_per_learn_for_its_default_batch_from_rank_0():
     algo = pg_algo()
     algo.stored = algo.config.frames_per_learn
     global_step, meta_info, data = algo.get_server_data()
