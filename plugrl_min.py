@@ -1211,7 +1211,8 @@ class Server:
                 if log:
                     self.add_to_window(log)
                 self.fed += 1
-            self.trace_frame(message, j, node, discard, stale)  # --trace N: the first N frames
+            if self.trace_left > 0:  # --trace N: the first N frames
+                self.trace_frame(message, j, node, discard, stale)
             slot.prev_node = node
             slot.terminated = next_terminated
             slot.truncated = next_truncated
@@ -1350,8 +1351,6 @@ class Server:
     def trace_frame(self, message: FeedbackMessage, j: int, node: tuple, discard: bool,
                     stale: bool) -> None:
         """--trace: one line on one frame, from its infer batch to where its feedback went."""
-        if self.trace_left <= 0:
-            return
         self.trace_left -= 1
         step = message.steps[j]
         action = np.array2string(step.batch.action[step.row].ravel(), precision=3)
@@ -1474,10 +1473,14 @@ def save_checkpoint(run_dir: str, checkpoint: Checkpoint, server_counters: dict)
     return path
 
 
+def checkpoint_paths(run_dir: str) -> list[str]:
+    """The run directory's checkpoints, oldest first (their names sort by step)."""
+    return sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step_*.pt")))
+
+
 def load_newest_checkpoint(run_dir: str) -> tuple[Checkpoint, dict]:
     """The newest checkpoint that loads (a damaged one is skipped), and the server's counters."""
-    pattern = os.path.join(run_dir, "checkpoints", "step_*.pt")
-    for path in sorted(glob.glob(pattern), reverse=True):
+    for path in reversed(checkpoint_paths(run_dir)):
         try:
             payload = torch.load(path, weights_only=True, map_location="cpu")
         except Exception as error:  # a file cut short by a crash: fall back to the one before
@@ -2390,7 +2393,7 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
         print("error: --resume needs --run-dir, the run directory to continue", file=sys.stderr)
         return 2
     if args.run_dir and not args.resume and os.path.exists(os.path.join(args.run_dir, CONFIG)):
-        served = glob.glob(os.path.join(args.run_dir, "checkpoints", "step_*.pt"))
+        served = checkpoint_paths(args.run_dir)
         print(f"error: {args.run_dir} holds a run already: " + (
             "add --resume to continue it, or name another --run-dir" if served else
             "one that served no frame (its env-client-N.log may say why): remove the folder, or "
@@ -2467,7 +2470,7 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
                     learn_threads=args.learn_threads, log_every=args.log_every,
                     trace=args.trace, ranks=ranks, **counters)
     if args.resume:  # the run's own checkpoints: pruning may delete its older ones
-        server.saved = sorted(glob.glob(os.path.join(args.run_dir, "checkpoints", "step_*.pt")))
+        server.saved = checkpoint_paths(args.run_dir)
     local_env = args.local_env or fitting_env(policy)
     if args.local_env_clients:  # checked now: a start that fails leaves no trace on disk
         try:

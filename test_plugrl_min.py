@@ -6625,7 +6625,7 @@ def test_every_key_of_a_dict_observation_is_checked_a_wrong_dtype_in_the_second_
         plugrl_min.check_message(message, spec)
 
 
-@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 2)],
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, None)],
                          ids=["SIGTERM", "Ctrl-C"])
 def test_a_signal_to_a_test_run_with_an_in_process_server_stops_the_test_run(tmp_path, signum, status):
     # A test run whose in-process server has just started: the signal is pytest's, not the server's.
@@ -6638,8 +6638,13 @@ def test_a_signal_to_a_test_run_with_an_in_process_server_stops_the_test_run(tmp
         wait_for(lambda: "listening on" in (tmp_path / "out").read_text(), 60, "the in-process server")
         run.send_signal(signum)
         sent = time.monotonic()
-        assert run.wait(30) == status, (tmp_path / "out").read_text()
+        ended = run.wait(30)
         assert time.monotonic() - sent < 10
+        printed = (tmp_path / "out").read_text()
+        if status is None:  # pytest's own KeyboardInterrupt: status 2, or 1 when it lands in an event loop
+            assert ended in (1, 2) and "KeyboardInterrupt" in printed and " passed" not in printed, printed
+        else:
+            assert ended == status, printed
     finally:
         if run.poll() is None:
             run.kill()
