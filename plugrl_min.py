@@ -31,8 +31,7 @@ import dataclasses
 import datetime
 import glob
 import hmac
-import importlib
-import importlib.util
+import importlib.util  # binds importlib too: import_module is used as well
 import inspect
 import io
 import itertools
@@ -523,6 +522,7 @@ class BaseAlgorithm(abc.ABC):
     # The routing rule. True: feedback() gets only frames whose action came from the current
     # policy, while no learn is due. False (a replay-buffer learner): every frame.
     on_policy: bool = True
+    example_env: str | None = None  # plugrl_min's own: what --local-env and the hint default to
 
     def __init__(self, config: BaseAlgoConfig, policy: BaseTorchPolicy):
         self.config = config
@@ -645,9 +645,7 @@ class DummyAlgorithm(BaseAlgorithm):
 
     def __init__(self, config: DummyAlgoConfig, policy: BaseTorchPolicy):
         super().__init__(config=config, policy=policy)
-        self.frames_since_learn = 0
-        self.learns = 0
-        self.saved_at_learn = 0
+        self.frames_since_learn, self.learns, self.saved_at_learn = 0, 0, 0
 
     def feedback(self, *, obs, runtime_state, train_state=None, terminated, truncated, next_obs,
                  reward, info, next_terminated, next_truncated, prev_node):
@@ -672,10 +670,9 @@ class DummyAlgorithm(BaseAlgorithm):
     def create_checkpoint(self):
         """Weights, and in meta every counter the schedule reads."""
         self.saved_at_learn = self.learns
-        meta = {"frames_since_learn": self.frames_since_learn, "learns": self.learns,
-                "saved_at_learn": self.saved_at_learn}
         return Checkpoint(step=self.global_step, model=self.policy.state_dict(), optimizer=None,
-                          meta=meta)
+                          meta={"frames_since_learn": self.frames_since_learn,
+                                "learns": self.learns, "saved_at_learn": self.saved_at_learn})
 
     def load_checkpoint(self, checkpoint):
         """Restore the weights and every counter, so the cadence continues exactly."""
@@ -910,6 +907,7 @@ class PG(DDPAlgorithm):
 
 RUN_FINISHED = "run finished"  # the close reason that tells a client the run is over (exit 0)
 SERVER_FAILED = "server failed"  # the close reason's prefix when an algorithm hook raised
+SILENT = "client silent"  # the close reason's prefix when a client owed feedback too long
 NO_NODE = (-1, "")  # prev_node when there is no stored frame of this environment to link to
 
 
@@ -963,18 +961,25 @@ class InferRequest:
 
 
 @dataclasses.dataclass(eq=False)
+class Frame:
+    """One environment's frame: its step state (what it was given) and what its feedback says."""
+
+    env_index: int  # the client's own name for the environment
+    slot: EnvSlot
+    step: StepState  # taken from the slot when the message arrived: observation, action, states
+    next_obs: dict  # the observation after the decision, {key: array}
+    reward: typing.Any  # a float (with 'stack': a [k] array, one reward per physical step)
+    next_terminated: bool  # how the decision ended (the slot holds how the previous one did)
+    next_truncated: bool
+    info: dict  # e.g. {"episode": {...}} (every frame of the message has it if one finished)
+
+
+@dataclasses.dataclass(eq=False)
 class FeedbackMessage:
-    """A checked feedback message: m frames, one per environment, as parallel lists."""
+    """A checked feedback message: its frames, one per environment, in the message's order."""
 
     conn: Connection
-    env_indices: list  # [m] int
-    slots: list  # [m] EnvSlot
-    steps: list  # [m] StepState, taken from the slots when the message arrived
-    next_obs: list  # [m] the observation after each decision, {key: array}
-    rewards: list  # [m] float (with 'stack': [k] arrays, one reward per physical step)
-    next_terminated: list  # [m] bool: how each decision ended (its slot holds how the last did)
-    next_truncated: list  # [m] bool
-    info: list  # [m] dict, e.g. {"episode": {...}} (every frame has it if one finished)
+    frames: list  # [m] Frame
 
 
 class Server:
@@ -1007,7 +1012,7 @@ class Server:
                          "action_dim": policy.action_dim, "num_actions": policy.num_actions,
                          "action_horizon": policy.action_horizon}
         self.connections = set()  # the open ones; a closed or rejected one leaves at once
-        self.connections_made = 0
+        self.connection_numbers = itertools.count(1)  # Connection.number: in the order they came
         self.inbox, self.waiting = [], []  # checked messages, in arrival order; waiting infers
         self.wake = asyncio.Event()  # set by every message, and twice a second by tick()
         self.stop_requested, self.status = False, 0  # status 1: a local env client failed
@@ -1023,7 +1028,7 @@ class Server:
         self.infer_calls = self.inferred_envs = 0
         self.frames = 0  # routed since the start
         # The next line of metrics.jsonl: key -> [sum of weighted values, sum of weights], ...
-        self.window, self.window_episodes, self.fed, self.discarded = {}, 0, 0, 0
+        self.window, self.window_episodes, self.discarded = {}, 0, 0
         self.logged_at = 0  # self.frames at the last line
         self.last_reward = float("nan")  # of the newest line that saw episodes, for the progress
         self.trace_left = trace  # frames still to narrate (--trace)
@@ -1036,9 +1041,8 @@ class Server:
 
     async def run(self, host: str, port: int, on_listening=None) -> int:
         """Serve until should_stop() or a signal (status 0), or a local client or hook fails (1).
-        The two tasks of the design: serve() gives every connection a task that only checks and
-        queues its messages (handle_client), and this one runs control_loop, where every hook
-        is called. on_listening(port) runs once the port is taken, before anything is written."""
+        The two tasks: serve() runs handle_client for each connection; this one, control_loop.
+        on_listening(port) runs once the port is taken, before anything is written."""
         self.loop = asyncio.get_running_loop()
         # A ping every --feedback-timeout s keeps idle connections open; a late pong closes none:
         # drop_silent_clients is the one rule for a client that went silent.
@@ -1068,8 +1072,7 @@ class Server:
 
     async def handle_client(self, ws) -> None:
         """Send the metadata, then check and queue every message; a bad one closes this one."""
-        self.connections_made += 1
-        conn = Connection(ws, self.connections_made)
+        conn = Connection(ws, next(self.connection_numbers))
         self.connections.add(conn)
         try:
             await ws.send(pack_message(self.metadata))
@@ -1113,10 +1116,11 @@ class Server:
             slot.step = None
         conn.heard_at = self.serving_clock()
         m = len(slots)
-        return FeedbackMessage(conn, env_ids, slots, steps, split_rows(message["obs"], m),
-                               split_rows(message["reward"], m),  # floats, or [k] rows
-                               message["terminated"].tolist(), message["truncated"].tolist(),
-                               split_rows(message.get("info", {}), m))
+        rows = zip(env_ids, slots, steps, split_rows(message["obs"], m),
+                   split_rows(message["reward"], m),  # floats, or [k] rows
+                   message["terminated"].tolist(), message["truncated"].tolist(),
+                   split_rows(message.get("info", {}), m))
+        return FeedbackMessage(conn, [Frame(*row) for row in rows])
 
     async def control_loop(self) -> None:
         """Route feedback; learn while should_learn(); save; stop; answer the waiting infers."""
@@ -1140,8 +1144,7 @@ class Server:
                 self.save()  # create_checkpoint(), and the server's counters beside, to disk
             if stop:
                 return
-            if self.waiting:
-                await self.infer_waiting()
+            await self.infer_waiting()
             self.watch_local_clients()
             self.drop_silent_clients()
             self.show_progress()
@@ -1185,18 +1188,17 @@ class Server:
 
     def route_feedback(self, message: FeedbackMessage) -> None:
         """The routing rule: feedback() for frames the algorithm stores, discard_feedback() else."""
-        frames = zip(message.slots, message.steps, message.next_obs, message.rewards,
-                     message.next_terminated, message.next_truncated, message.info)
-        for j, (slot, step, next_obs, reward, next_terminated, next_truncated, info) in enumerate(
-                frames):
+        for frame in message.frames:
+            slot = frame.slot
+            step = frame.step
             # An on-policy gradient averages over actions of the policy being improved. A frame
             # whose action came from an older version (stale), or one that arrives once a learn
             # is due (its batch is full), would bias it: discard_feedback only counts its episode.
             stale = step.batch.version != self.version
             discard = self.algo.on_policy and (stale or self.algo.should_learn())
             if discard:
-                self.algo.discard_feedback(info=info, next_terminated=next_terminated,
-                                           next_truncated=next_truncated)
+                self.algo.discard_feedback(info=frame.info, next_terminated=frame.next_terminated,
+                                           next_truncated=frame.next_truncated)
                 node = NO_NODE  # the chain of this environment's stored frames is broken
                 self.discarded += 1
             else:
@@ -1205,18 +1207,17 @@ class Server:
                 node, self.global_step, log = self.algo.feedback(
                     obs=batch.obs[step.row], runtime_state=batch.runtime_state[step.row],
                     train_state=batch.train_state[step.row], terminated=slot.terminated,
-                    truncated=slot.truncated, next_obs=next_obs, reward=reward, info=info,
-                    next_terminated=next_terminated, next_truncated=next_truncated,
-                    prev_node=slot.prev_node)
+                    truncated=slot.truncated, next_obs=frame.next_obs, reward=frame.reward,
+                    info=frame.info, next_terminated=frame.next_terminated,
+                    next_truncated=frame.next_truncated, prev_node=slot.prev_node)
                 if log:
                     self.add_to_window(log)
-                self.fed += 1
             if self.trace_left > 0:  # --trace N: the first N frames
-                self.trace_frame(message, j, node, discard, stale)
+                self.trace_frame(message.conn, frame, node, discard, stale)
             slot.prev_node = node
-            slot.terminated = next_terminated
-            slot.truncated = next_truncated
-        self.frames += len(message.slots)
+            slot.terminated = frame.next_terminated
+            slot.truncated = frame.next_truncated
+        self.frames += len(message.frames)
 
     async def learn_once(self) -> None:
         """pre_learn, learn() in the worker thread (the event loop keeps answering), post_learn."""
@@ -1334,9 +1335,9 @@ class Server:
         rollout = {key: means.pop(key, 0.0)  # 0 when no episode ended
                    for key in ("rollout/reward", "rollout/length", "rollout/success")}
         metrics = {**means, **rollout, "rollout/episodes": self.window_episodes,
-                   "server/fed": self.fed, "server/discarded": self.discarded,
-                   "server/frames": self.frames, "server/policy_version": self.version,
-                   "server/fps": self.frames / elapsed,
+                   "server/fed": self.frames - self.logged_at - self.discarded,  # the rest routed
+                   "server/discarded": self.discarded, "server/frames": self.frames,
+                   "server/policy_version": self.version, "server/fps": self.frames / elapsed,
                    "server/mean_batch_size": self.inferred_envs / max(self.infer_calls, 1)}
         line = {"event": event, "step": self.global_step, "time": round(elapsed, 3), **metrics}
         self.metrics_file.write(json.dumps(line) + "\n")
@@ -1345,23 +1346,23 @@ class Server:
                 self.tensorboard.add_scalar(key, value, self.global_step)
         if self.window_episodes:
             self.last_reward = rollout["rollout/reward"]
-        self.window, self.window_episodes, self.fed, self.discarded = {}, 0, 0, 0
+        self.window, self.window_episodes, self.discarded = {}, 0, 0
         self.logged_at = self.frames
 
-    def trace_frame(self, message: FeedbackMessage, j: int, node: tuple, discard: bool,
+    def trace_frame(self, conn: Connection, frame: Frame, node: tuple, discard: bool,
                     stale: bool) -> None:
         """--trace: one line on one frame, from its infer batch to where its feedback went."""
         self.trace_left -= 1
-        step = message.steps[j]
+        step = frame.step
         action = np.array2string(step.batch.action[step.row].ravel(), precision=3)
         where = ("feedback (off-policy: every frame is stored)" if not self.algo.on_policy
                  else "feedback (acted with the current version)" if not discard
                  else f"discard_feedback (stale: acted with version {step.batch.version}, the "
                       f"policy is version {self.version})" if stale
                  else "discard_feedback (learn due: should_learn() is true)")
-        print(f"trace: conn {message.conn.number} env {message.env_indices[j]} | infer batch of "
+        print(f"trace: conn {conn.number} env {frame.env_index} | infer batch of "
               f"{len(step.batch.action)} at version {step.batch.version} | action {action} | "
-              f"-> {where} | prev_node {message.slots[j].prev_node} -> {node}", flush=True)
+              f"-> {where} | prev_node {frame.slot.prev_node} -> {node}", flush=True)
 
     def check_token(self, connection, request):
         """Refuse, at the handshake, a client without the run's token (HTTP 401)."""
@@ -1442,9 +1443,6 @@ class Server:
                 print("\nthe launcher is gone: stopping as on SIGTERM", file=sys.stderr, flush=True)
                 self.request_stop()
             self.wake.set()
-
-
-SILENT = "client silent"  # the close reason's prefix when a client owed feedback too long
 
 
 # --- The run directory: checkpoints, metrics.jsonl, TensorBoard, the report -------------------
@@ -1759,12 +1757,11 @@ def check_message(message: dict, obs_spec: dict) -> tuple[str, list]:
         episode = info["episode"]
         if not isinstance(episode, dict):
             raise mismatch("feedback.info.episode", "a dict of r, l, s and mask", episode)
-        for key, kinds, expected in (("r", "f", "float"), ("l", "iu", "int"),
-                                     ("s", "b", "bool"), ("mask", "b", "bool")):
+        for key, kinds, dtype in (("r", "f", "float"), ("l", "iu", "int"),
+                                  ("s", "b", "bool"), ("mask", "b", "bool")):
             value = episode.get(key, MISSING)
             if not is_array(value, kinds, (n,)):
-                raise mismatch(f"feedback.info.episode.{key}", f"{expected} [m] with m = {n}",
-                               value)
+                raise mismatch(f"feedback.info.episode.{key}", f"{dtype} [m] with m = {n}", value)
         finite["feedback.info.episode.r"] = episode["r"]
     for path, leaf in _leaves(info, "feedback.info"):
         if not (isinstance(leaf, np.ndarray) and leaf.shape[:1] == (n,)):
@@ -2180,25 +2177,24 @@ def check_metadata(meta: dict, executor, closed_loop: bool) -> None:
     if meta.get("message_type") != "metadata" or meta.get("protocol_version") != PROTOCOL_VERSION:
         raise SystemExit(f"the server speaks protocol {meta.get('protocol_version')}, "
                          f"this client {PROTOCOL_VERSION}")
+    misfit = "the server's policy does not fit this environment:"
     reads = {key: f"{np.dtype(spec['dtype']).name} {list(spec['shape'])}"  # "<f4" or "float32"
              for key, spec in meta["obs_spec"].items()}
     gives = {key: f"{np.dtype(dtype).name} {list(shape)}"
              for key, (shape, dtype) in executor.env.obs_spec.items()}
     for key in sorted(reads.keys() | gives.keys()):  # the first key that differs, by name
         if reads.get(key) != gives.get(key):
-            raise SystemExit(f"the server's policy does not fit this environment: observation "
-                             f"{key!r}: the policy reads {reads.get(key, 'nothing')}, this "
-                             f"environment gives {gives.get(key, 'nothing')} "
-                             "(see --policy.obs-dim)")
+            raise SystemExit(f"{misfit} observation {key!r}: the policy reads "
+                             f"{reads.get(key, 'nothing')}, this environment gives "
+                             f"{gives.get(key, 'nothing')} (see --policy.obs-dim)")
     theirs = action_space(meta["action_dim"], meta.get("num_actions"))
     needed = (action_space(executor.controller.decision_dim, None) if closed_loop
               else action_space(executor.env.action_dim, executor.env.num_actions))
     if theirs != needed:
-        raise SystemExit("the server's policy does not fit this environment: the policy's "
-                         f"actions are {theirs}, this client needs {needed}")
+        raise SystemExit(f"{misfit} the policy's actions are {theirs}, this client needs {needed}")
     if closed_loop and meta["action_horizon"] != 1:
-        raise SystemExit("the server's policy does not fit this environment: a closed loop "
-                         f"takes one decision, the policy sends {meta['action_horizon']}")
+        raise SystemExit(f"{misfit} a closed loop takes one decision, the policy sends "
+                         f"{meta['action_horizon']}")
 
 
 async def connect_to_server(args):
@@ -2293,6 +2289,12 @@ def _registered(table) -> str:
     return ", ".join(f"{uid} ({', '.join(variants)})" for uid, variants in sorted(uids.items()))
 
 
+def _usage_error(message) -> int:
+    """Print 'error: message' on stderr; return 2, the status argparse gives a mistyped flag."""
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
 def _choose(configs: dict, classes: dict, kind: str, uid: str, variant: str):
     """_config, or one line that says what to do (status 2, as for a mistyped flag)."""
     if (uid, variant) in configs:
@@ -2301,16 +2303,8 @@ def _choose(configs: dict, classes: dict, kind: str, uid: str, variant: str):
     hint = ("" if any(known == uid for known, _ in configs) else
             f"; {uid!r} is registered without a config: register one with {decorator}"
             if uid in classes else f"; if {uid!r} is defined in a plug-in, add --plugin MODULE")
-    print(f"error: unknown {kind} {uid!r} variant {variant!r}; known: {_registered(configs)}{hint}",
-          file=sys.stderr)
-    raise SystemExit(2)
-
-
-def fitting_env(policy: BaseTorchPolicy) -> str | None:
-    """The first registered environment whose observations and actions fit the policy."""
-    space = action_space(policy.action_dim, policy.num_actions)
-    return next((env_id for env_id, env in ENVIRONMENTS.items() if env.obs_spec == policy.obs_spec
-                 and action_space(env.action_dim, env.num_actions) == space), None)
+    raise SystemExit(_usage_error(f"unknown {kind} {uid!r} variant {variant!r}; known: "
+                                  f"{_registered(configs)}{hint}"))
 
 
 def field_comments(config_class) -> dict:
@@ -2390,15 +2384,13 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
     if args.port is None:  # one command needs no free port 8000; a lone server keeps the page's
         args.port = 0 if args.local_env_clients else 8000
     if args.resume and not args.run_dir:
-        print("error: --resume needs --run-dir, the run directory to continue", file=sys.stderr)
-        return 2
+        return _usage_error("--resume needs --run-dir, the run directory to continue")
     if args.run_dir and not args.resume and os.path.exists(os.path.join(args.run_dir, CONFIG)):
         served = checkpoint_paths(args.run_dir)
-        print(f"error: {args.run_dir} holds a run already: " + (
+        return _usage_error(f"{args.run_dir} holds a run already: " + (
             "add --resume to continue it, or name another --run-dir" if served else
             "one that served no frame (its env-client-N.log may say why): remove the folder, or "
-            "name another --run-dir"), file=sys.stderr)
-        return 2
+            "name another --run-dir"))
     for prefix, config in configs.items():
         for field in dataclasses.fields(config):
             setattr(config, field.name, getattr(args, f"{prefix}.{field.name}"))
@@ -2418,17 +2410,15 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
     algo_class = _ALGOS.get(words[2])  # unregistered: make_algo says so, as the page shows
     if world > 1 and algo_class and not issubclass(algo_class, DDPAlgorithm):  # the page's row
         hooks = [name for name in vars(DDPAlgorithm) if name in DDPAlgorithm.__abstractmethods__]
-        print(f"error: {world} ranks need a DDPAlgorithm; {words[2]!r} is a BaseAlgorithm without "
-              f"{', '.join(hooks)}: run it without torch.distributed.run, or implement them",
-              file=sys.stderr)
-        return 2
+        return _usage_error(f"{world} ranks need a DDPAlgorithm; {words[2]!r} is a BaseAlgorithm "
+                            f"without {', '.join(hooks)}: run it without torch.distributed.run, "
+                            "or implement them")
     if os.name != "posix":
         print("warning: plugrl_min is made for Linux and macOS: here, signals and local clients "
               "may not behave as README.md says", file=sys.stderr)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda, but torch finds no CUDA device (torch.cuda.is_available() "
-              "is False): use --device cpu", file=sys.stderr)
-        return 2
+        return _usage_error("--device cuda, but torch finds no CUDA device "
+                            "(torch.cuda.is_available() is False): use --device cpu")
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")  # a GPU per rank
 
@@ -2464,14 +2454,17 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
     if rank > 0:
         return serve_as_learner(algo, ranks)
     server = Server(algo, args.run_dir, (words[0], words[2]),
-                    max_message_bytes=args.max_message_bytes,
-                    feedback_timeout=args.feedback_timeout,
-                    max_envs_per_client=args.max_envs_per_client, token=args.token,
-                    learn_threads=args.learn_threads, log_every=args.log_every,
-                    trace=args.trace, ranks=ranks, **counters)
+                    max_message_bytes=args.max_message_bytes, token=args.token,
+                    feedback_timeout=args.feedback_timeout, log_every=args.log_every,
+                    max_envs_per_client=args.max_envs_per_client, trace=args.trace,
+                    learn_threads=args.learn_threads, ranks=ranks, **counters)
     if args.resume:  # the run's own checkpoints: pruning may delete its older ones
         server.saved = checkpoint_paths(args.run_dir)
-    local_env = args.local_env or fitting_env(policy)
+    space = action_space(policy.action_dim, policy.num_actions)
+    fits = [env_id for env_id, env in ENVIRONMENTS.items() if env.obs_spec == policy.obs_spec
+            and action_space(env.action_dim, env.num_actions) == space]  # in registration order
+    local_env = args.local_env or min(fits, key=lambda env_id: env_id != algo.example_env,
+                                      default=None)  # the algorithm's own example first
     if args.local_env_clients:  # checked now: a start that fails leaves no trace on disk
         try:
             if local_env is None:
@@ -2479,8 +2472,7 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
                                  "--local-env ENV_ID")
             check_metadata(server.metadata, MultiAction(make_env(local_env)), False)
         except (ValueError, SystemExit) as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 2
+            return _usage_error(error)
 
     def claim_run_dir() -> str:
         """The run directory, made this run's own by creating its config.json exclusively."""
@@ -2489,13 +2481,11 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
             name = "-".join([words[2], *[local_env] * bool(args.local_env_clients),
                              *[f"seed{args.seed}"] * (args.seed is not None),
                              time.strftime("%Y%m%d-%H%M%S")])
-            base = os.path.join("runs", "".join(c if c.isalnum() or c in "-_." else "_"
-                                                for c in name))
-            os.makedirs("runs", exist_ok=True)
+            base = os.path.join("runs", re.sub(r"[^\w.-]", "_", name))  # letters, digits, -_. stay
             for suffix in itertools.count(1):
                 run_dir = base if suffix == 1 else f"{base}-{suffix}"
                 try:
-                    os.mkdir(run_dir)
+                    os.makedirs(run_dir)  # runs/ too; FileExistsError if it is taken
                     break
                 except FileExistsError:
                     continue
@@ -2525,9 +2515,8 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
             command = [sys.executable, os.path.abspath(__file__), *client_args, *seed]
             log_path = os.path.join(server.run_dir, f"env-client-{i}.log")
             with open(log_path, "a") as log:  # a resumed run adds to its log
-                log.write(f"--- env client {i} started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
-                          f"{' '.join(command[1:])}\n")
-                log.flush()
+                print(f"--- env client {i} started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                      f"{' '.join(command[1:])}", file=log, flush=True)
                 # A session of its own: signals for the server (Ctrl-C, timeout) stay with it,
                 # and the client hears of the end from the server, as every client does.
                 process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
@@ -2561,8 +2550,7 @@ def report_main(argv: list[str]) -> int:
     try:
         print(report(args.run_dirs, args.reach), flush=True)
     except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return _usage_error(error)
     except BrokenPipeError:  # `report RUN | head -3`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
     return 0
@@ -2635,16 +2623,13 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         plugins, argv = import_plugins(argv)
-        if argv[:1] not in (["env-client"], ["report"]):  # only the server serves sac
+        command = {"env-client": env_client_main,
+                   "report": report_main}.get(argv[0] if argv else "")
+        if command is None:  # only the server serves sac
             import_sac_example()
     except RegistrationError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
-    if argv[:1] == ["env-client"]:
-        sys.exit(env_client_main(argv[1:]))
-    if argv[:1] == ["report"]:
-        sys.exit(report_main(argv[1:]))
-    sys.exit(server_main(argv, plugins))
+        sys.exit(_usage_error(error))
+    sys.exit(server_main(argv, plugins) if command is None else command(argv[1:]))
 
 
 if __name__ == "__main__":

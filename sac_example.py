@@ -5,9 +5,8 @@ The server's policy (dummy-policy, a tanh-Gaussian MLP) is the actor; this file 
 Q critics, their targets, the entropy coefficient and a replay buffer. Read it top to bottom:
 1. Config   2. Twin critic   3. Replay buffer   4. Algorithm (the plugrl_min hooks).
 
-Train it on the pendulum, server and client in one command:
-    python plugrl_min.py dummy-policy default sac default --local-env-clients 1 \
-        --local-env pendulum-v1
+Train it on the pendulum (its example_env), server and client in one command:
+    python plugrl_min.py dummy-policy default sac default --local-env-clients 1
 
 Where CleanRL's sac_continuous_action.py does each thing, the hooks do it here:
     actions = actor.get_action(obs), or random before learning_starts  -> SAC.infer
@@ -148,6 +147,7 @@ class SAC(BaseAlgorithm):
     """
 
     on_policy = False  # a replay-buffer learner: the server hands it every frame, stale or not
+    example_env = "pendulum-v1"  # CleanRL's task: --local-env and the server's hint default to it
 
     def __init__(self, config: SACConfig, policy: plugrl_min.BaseTorchPolicy):
         super().__init__(config=config, policy=policy)
