@@ -5061,12 +5061,12 @@ def test_handout_the_readme_closed_loop_command_runs(tmp_path):
 
 
 # =============================================================================================
-# Benchmarks, opt-in: PLUGRL_BENCH=1 python -m pytest test_plugrl_min.py -k bench -s
+# Benchmarks, opt-in: PLUGRL_BENCH=1 python -m pytest -n 0 test_plugrl_min.py -k bench -s
 # =============================================================================================
 # They print tables (the README quotes them) and take minutes; a normal test run skips them.
 
 bench = pytest.mark.skipif(os.environ.get("PLUGRL_BENCH") != "1",
-                           reason="a benchmark: run with PLUGRL_BENCH=1 ... -k bench -s")
+                           reason="a benchmark: run with PLUGRL_BENCH=1 ... -n 0 -k bench -s")
 
 
 def test_the_benchmarks_are_skipped_unless_plugrl_bench_is_1():
@@ -6688,7 +6688,8 @@ def test_a_signal_to_a_test_run_with_an_in_process_server_stops_the_test_run(tmp
     # A test run whose in-process server has just started: the signal is pytest's, not the server's.
     name = "test_a_client_owing_feedback_while_another_trains_is_dropped_after_the_timeout"
     with open(tmp_path / "out", "w") as out:
-        run = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", SOURCE.replace(
+        run = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-n", "0",
+                                SOURCE.replace(
             "plugrl_min.py", "test_plugrl_min.py"), "-k", name], cwd=tmp_path, env=subprocess_env(), stdout=out,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
