@@ -2494,8 +2494,7 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
             with open(os.path.join(run_dir, CONFIG), "w" if args.resume else "x") as file:
                 json.dump(resolved, file, indent=2)
         except FileExistsError:  # another run claimed it since the check at the start
-            print(f"error: {run_dir} holds a run already: name another --run-dir", file=sys.stderr)
-            raise SystemExit(2) from None
+            raise SystemExit(_usage_error(f"{run_dir} holds a run already: name another --run-dir"))
         print(f"run directory: {run_dir}", flush=True)
         return run_dir
 
