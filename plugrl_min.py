@@ -11,7 +11,7 @@ Sections, in file order: 1. Wire format, 2. State types, 3. Registries, 4. Polic
 
 The first reading (under 700 lines; README.md's map gives them) follows one frame as it travels:
   - out of the client: its loop, run_episodes (7), sends an observation in an infer message;
-  - through the server (6): the in-flight data; Server.run and its two tasks; handle_client and
+  - through the server (6): the in-flight data; Server.run and its tasks; handle_client and
     accept (the frame comes in); control_loop and infer_waiting (its action comes from infer);
     route_feedback (feedback or discard_feedback, and why); learn_once (when learn runs, on
     which thread, and why serving pauses); request_stop and on_signal (SIGTERM: control_loop
@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import glob
@@ -516,7 +517,8 @@ class BaseAlgoConfig:
 class BaseAlgorithm(abc.ABC):
     """The server-side algorithm. Override learn_impl (abstract), feedback and the should_* hooks.
 
-    The server calls every hook from one task, one at a time: no two ever run concurrently.
+    The server calls the hooks one at a time, never two at once: every hook from its control
+    task, except learn(), which runs in the learn thread while that task waits for it.
     """
 
     # The routing rule. True: feedback() gets only frames whose action came from the current
@@ -1041,23 +1043,32 @@ class Server:
 
     async def run(self, host: str, port: int, on_listening=None) -> int:
         """Serve until should_stop() or a signal (status 0), or a local client or hook fails (1).
-        The two tasks: serve() runs handle_client for each connection; this one, control_loop.
+        Its tasks: serve() runs handle_client for each connection (and reject, for one that broke
+        the protocol); this one runs control_loop; tick wakes the loop for its timed checks.
         on_listening(port) runs once the port is taken, before anything is written."""
         self.loop = asyncio.get_running_loop()
         # A ping every --feedback-timeout s keeps idle connections open; a late pong closes none:
         # drop_silent_clients is the one rule for a client that went silent.
-        async with serve(self.handle_client, host, port, max_size=self.max_message_bytes,
-                         compression=None, process_request=self.check_token,
-                         ping_interval=self.feedback_timeout, ping_timeout=None) as server:
+        with naming(f"cannot listen on {host}:{port}"):  # the bind alone: the port is taken...
+            server = await serve(self.handle_client, host, port, max_size=self.max_message_bytes,
+                                 compression=None, process_request=self.check_token,
+                                 ping_interval=self.feedback_timeout, ping_timeout=None)
+        async with server:
             self.open_run(server.sockets, on_listening)
-            with open(os.path.join(self.run_dir, "metrics.jsonl"), "a", buffering=1) as metrics:
+            metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
+            with naming(f"cannot open {metrics_path}"):
+                metrics = open(metrics_path, "a", buffering=1)
+            with metrics:
                 self.metrics_file = metrics
                 ticker = asyncio.create_task(self.tick())
                 try:
                     await self.control_loop()
                     code, reason, status = 1000, RUN_FINISHED, self.status
                 except Exception as error:  # a hook raised: no checkpoint is written after it
-                    traceback.print_exc()
+                    if isinstance(error, CommandError):  # a file of the run could not be written
+                        print(f"error: {error}", file=sys.stderr, flush=True)
+                    else:
+                        traceback.print_exc()
                     code, reason, status = 1011, f"{SERVER_FAILED}: {type(error).__name__}", 1
                 ticker.cancel()
                 # Stop accepting first, then close every open connection with the reason, the
@@ -1164,7 +1175,8 @@ class Server:
             raise RuntimeError(f"infer returned actions {list(action.shape)}, expected "
                                f"{[n, *self.action_shape]}")
         train_state = self.algo.derive_train_state(runtime_state)
-        # Each environment's rows, cut once for the whole batch (views, not copies).
+        # Each environment's rows, cut once for the whole batch (views, not copies; a 1-d
+        # field's row is a Python number).
         batch = InferBatch(self.version, action, split_rows(obs, n), split_rows(runtime_state, n),
                            split_rows(train_state, n))
         self.infer_calls += 1
@@ -1220,7 +1232,8 @@ class Server:
         self.frames += len(message.frames)
 
     async def learn_once(self) -> None:
-        """pre_learn, learn() in the worker thread (the event loop keeps answering), post_learn."""
+        """pre_learn, learn() in the learn thread, post_learn. Meanwhile the event loop still
+        receives and queues messages, but answers none: no infer runs during a learn."""
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         if self.ranks is not None:  # several ranks: each gets the batch, then all learn at once
@@ -1280,9 +1293,12 @@ class Server:
         threads = self.threads.choose()
         torch.set_num_threads(threads)  # cheap, and per OS thread: inference keeps its one
         started = time.perf_counter()
+        before = cpu_ticks()
         global_step, log = self.algo.learn()
         seconds = time.perf_counter() - started
-        warning = self.threads.record(threads, seconds, self.frames - self.learned_frames)
+        after = cpu_ticks()
+        ticks = (after[0] - before[0], after[1] - before[1]) if before and after else None
+        warning = self.threads.record(threads, seconds, self.frames - self.learned_frames, ticks)
         if warning:
             print(f"\nwarning: {warning}", file=sys.stderr, flush=True)
         self.learned_frames = self.frames
@@ -1340,9 +1356,11 @@ class Server:
                    "server/policy_version": self.version, "server/fps": self.frames / elapsed,
                    "server/mean_batch_size": self.inferred_envs / max(self.infer_calls, 1)}
         line = {"event": event, "step": self.global_step, "time": round(elapsed, 3), **metrics}
-        self.metrics_file.write(json.dumps(line) + "\n")
+        with naming(f"cannot write {self.metrics_file.name}"):
+            self.metrics_file.write(json.dumps(line) + "\n")
         for key, value in metrics.items():  # TensorBoard: no rollout/* point without episodes
-            if self.tensorboard is not None and (self.window_episodes or key not in rollout):
+            if self.tensorboard is not None and (self.window_episodes or
+                                                  not key.startswith("rollout/")):
                 self.tensorboard.add_scalar(key, value, self.global_step)
         if self.window_episodes:
             self.last_reward = rollout["rollout/reward"]
@@ -1450,7 +1468,8 @@ class Server:
 def save_checkpoint(run_dir: str, checkpoint: Checkpoint, server_counters: dict) -> str:
     """Write a checkpoint to a temporary file, then rename it: a crash never damages the last."""
     folder = os.path.join(run_dir, "checkpoints")
-    os.makedirs(folder, exist_ok=True)
+    with naming(f"cannot make {folder}"):
+        os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"step_{checkpoint.step:012d}.pt")
     payload = {**vars(checkpoint), "server": server_counters}  # asdict would copy every tensor
     buffer = io.BytesIO()
@@ -1463,12 +1482,25 @@ def save_checkpoint(run_dir: str, checkpoint: Checkpoint, server_counters: dict)
                         "refuses: keep tensors and plain Python values (numpy scalars and "
                         "arrays are the usual culprits)") from error
     temporary = f"{path}.{os.getpid()}.tmp"  # no other process writes this name
-    with open(temporary, "wb") as file:
+    with naming(f"cannot write the checkpoint {path}"), open(temporary, "wb") as file:
         file.write(buffer.getbuffer())
         file.flush()
         os.fsync(file.fileno())
-    os.replace(temporary, path)
+        os.replace(temporary, path)
     return path
+
+
+class CommandError(Exception):
+    """A failure the command line reports in one line, "error: ...", exit status 1."""
+
+
+@contextlib.contextmanager
+def naming(what: str):
+    """An OSError inside becomes a CommandError that names what failed: 'what: the reason'."""
+    try:
+        yield
+    except OSError as error:
+        raise CommandError(f"{what}: {error.strerror or error}") from None
 
 
 def checkpoint_paths(run_dir: str) -> list[str]:
@@ -1533,11 +1565,17 @@ def return_curve(lines: list[dict], episodes: int = 100) -> list[tuple[int, floa
     return curve
 
 
+def run_mark(i: int) -> str:
+    """The letters that name the i-th run (from 0) in a report: A to Z, then AA, AB, ..."""
+    return (run_mark(i // 26 - 1) if i >= 26 else "") + chr(ord("A") + i % 26)
+
+
 def report(run_dirs: list[str], reach: float | None = None) -> str:
-    """A line on each run (steps, learns, discards, episodes, the mean return of its last 100
+    """A line on each run (steps, learns, discards, episodes, the mean return of its last 100+
     episodes, the best such mean, and when it first reached `reach`), then their curves."""
     rows, curves = [], {}
-    for mark, run_dir in zip("ABCDEFGHIJKLMNOPQRSTUVWXYZ", run_dirs):
+    for i, run_dir in enumerate(run_dirs):
+        mark = run_mark(i)
         lines = read_metrics(run_dir)
         curves[mark] = curve = return_curve(lines)
         last = lines[-1]
@@ -1556,7 +1594,12 @@ def report(run_dirs: list[str], reach: float | None = None) -> str:
 
 
 def text_chart(curves: dict, rows: int = 12, width: int = 60) -> str:
-    """The runs' curves on the same axes, each drawn with its mark: return against steps."""
+    """The runs' curves on the same axes, each drawn with its mark: return against steps. A mark
+    takes one cell: runs past Z are listed, not drawn."""
+    title = "mean return of the last 100+ episodes, by step"
+    if len(curves) > 26:
+        title += f" (runs A to Z are drawn; {len(curves) - 26} more are not)"
+        curves = {mark: curve for mark, curve in curves.items() if len(mark) == 1}
     points = [point for curve in curves.values() for point in curve]
     if not points:
         return "no episode finished: nothing to chart"
@@ -1569,7 +1612,7 @@ def text_chart(curves: dict, rows: int = 12, width: int = 60) -> str:
             column = round((width - 1) * step / right)
             grid[row][column] = mark if grid[row][column] in (" ", mark) else "*"  # *: several
     labels = [f"{high:10.2f}", *[" " * 10] * (rows - 2), f"{low:10.2f}"]
-    return "\n".join(["mean return of the last 100+ episodes, by step",
+    return "\n".join([title,
                       *(f"{label} |{''.join(cells)}" for label, cells in zip(labels, grid)),
                       f"{'':10} +{'-' * width}", f"{'':10} 0{right:>{width},}"])
 
@@ -1582,7 +1625,9 @@ class LearnThreads:
     operation: once another process takes a core, learns get two to a hundred times slower. So
     blocks of learns are timed (per frame: a learn's work grows with the frames it follows), on
     one thread first, then on all; the other count is tried again after 1 s of learning (twice
-    as long after each try that lost), or at once when a block is 1.5x slower than the last."""
+    as long after each try that lost), or at once when a block is 1.5x slower than the last. All
+    threads are tried only while the cores they need sat idle during the learns (from
+    /proc/stat), and a try whose first learn takes twice as long per frame stops there."""
 
     BLOCK = 11  # learns per timed block; the first waits for sleeping threads: not counted
 
@@ -1593,42 +1638,84 @@ class LearnThreads:
         self.cost, self.block = {}, []  # count -> seconds per frame; this block's (s, frames)
         self.learning, self.try_at, self.wait = 0.0, 0.0, 1.0  # seconds of learning: the clock
         self.fastest, self.warned, self.last = math.inf, False, (0.0, 1)  # last: for progress
+        self.ticks = [0, 0]  # idle and all clock ticks of the machine in learns since a try
 
     def choose(self) -> int:
         """The thread count for the next learn."""
         return self.trying or self.current
 
-    def record(self, threads: int, seconds: float, frames: int) -> str | None:
-        """Time one learn; a warning, once, when learns got much slower than at their fastest."""
+    def record(self, threads: int, seconds: float, frames: int,
+               ticks: tuple[int, int] | None = None) -> str | None:
+        """Time one learn (ticks: the machine's idle and all clock ticks during it, if known);
+        a warning, once, when learns got much slower than at their fastest."""
         self.last = (seconds, threads)
         if not frames:  # a learn again, with no frame since: none of its work is the frames'
             return None
         self.learning += seconds
         self.block.append((seconds, frames))
-        counted = self.block[1:]
+        if ticks is not None and self.trying is None:
+            self.ticks = [self.ticks[0] + ticks[0], self.ticks[1] + ticks[1]]
+        counted = self.block[1:] or self.block  # a try's first learn: only to stop it at once
         cost = sum(s for s, _ in counted) / max(sum(f for _, f in counted), 1)
-        trying = self.trying is not None
-        losing = trying and len(counted) >= 2 and cost > 1.5 * self.cost[self.current]  # stop it
-        if len(self.block) < self.BLOCK and not losing:
+        if self.trying is not None:
+            return self.end_try(cost) if self.lost(cost) else None
+        if len(self.block) < self.BLOCK:
             return None
         self.block = []
-        if trying:  # a tried count must be clearly faster to take over
-            won = cost < 0.95 * self.cost[self.current]
-            self.current, self.trying = self.trying if won else self.current, None
-            # After a win, the old count is tried again soon: a win by chance costs little.
-            self.wait = 1.0 if won else min(2 * self.wait, 160.0)
-            self.try_at = self.learning + self.wait
-            return None
         slower = cost > 1.5 * self.cost.get(threads, math.inf)
         self.cost[threads] = cost
         if len(self.counts) > 1 and (slower or self.learning >= self.try_at):
             self.trying = next(count for count in self.counts if count != self.current)
+            if self.trying > self.current and not self.cores_idle():
+                self.trying = None  # the cores are taken: a try would only slow every process
+                self.after_try(won=False)
+        return self.warning(cost)
+
+    def lost(self, cost: float) -> bool:
+        """True once the try has run its block, or is clearly slower than the current count."""
+        first = len(self.block) == 1 and cost > 2 * self.cost[self.current]
+        losing = len(self.block) >= 3 and cost > 1.5 * self.cost[self.current]
+        return first or losing or len(self.block) >= self.BLOCK
+
+    def end_try(self, cost: float) -> str | None:
+        """A tried count must be clearly faster to take over; its cost counts for the warning."""
+        won = len(self.block) >= self.BLOCK and cost < 0.95 * self.cost[self.current]
+        self.current, self.trying, self.block = self.trying if won else self.current, None, []
+        self.after_try(won)
+        return self.warning(cost)
+
+    def after_try(self, won: bool) -> None:
+        """After a win, the old count is tried again soon: a win by chance costs little."""
+        self.wait = 1.0 if won else min(2 * self.wait, 160.0)
+        self.try_at = self.learning + self.wait
+        self.ticks = [0, 0]
+
+    def cores_idle(self) -> bool:
+        """Whether the learns since the last try left the cores all threads add mostly idle
+        (unknown, off Linux or before 0.2 s of ticks: yes)."""
+        idle, every = self.ticks
+        if every < 20:
+            return True
+        return (os.cpu_count() or 1) * idle / every >= 0.75 * (max(self.counts) - 1)
+
+    def warning(self, cost: float) -> str | None:
+        """Once: learns now much slower than at their fastest."""
         self.fastest = min(self.fastest, cost)
         if cost < 3 * self.fastest or self.warned:
             return None
         self.warned = True
         return (f"learns now take {cost / self.fastest:.1f}x as long as at their fastest: is the "
                 "machine busy? Try --learn-threads 1, or fewer processes beside this one")
+
+
+def cpu_ticks() -> tuple[int, int] | None:
+    """(idle, all) clock ticks of every core since boot, from /proc/stat; None off Linux."""
+    try:
+        with open("/proc/stat") as file:
+            ticks = [int(word) for word in file.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return ticks[3] + ticks[4], sum(ticks)  # idle and iowait, of user .. steal
 
 
 # --- Several learners: the ranks of a torch.distributed launch ---------------------------------
@@ -2157,19 +2244,19 @@ async def run_episodes(ws, executor, num_episodes: int, tally: dict) -> None:
         if closed_loop:
             action = action[:, 0]  # one decision [n, decision_dim]
         obs, reward, terminated, truncated, info = executor.step(action)
-        # The feedback carries the observation the episode ended on; the reset gives the next
-        # infer the observation the new episode starts from.
-        done = terminated | truncated
-        if done.any():
-            executor.reset(np.flatnonzero(done))
         episode = info["episode"]
         tally["returns"] += episode["r"][episode["mask"]].tolist()
-        tally["env_steps"] += int(info["executed_steps"].sum())
+        tally["env_steps"] += int(info["executed_steps"].sum())  # the client's count, not sent
         tally["decisions"] += len(env_indices)
         feedback = {"message_type": "feedback", "env_indices": env_indices, "obs": obs,
                     "reward": reward, "terminated": terminated, "truncated": truncated,
                     "info": {"episode": episode} if episode["mask"].any() else {}}
         await ws.send(pack_message(feedback))
+        # The feedback carried the observation the episode ended on; the reset gives the next
+        # infer the observation the new episode starts from.
+        done = terminated | truncated
+        if done.any():
+            executor.reset(np.flatnonzero(done))
 
 
 def check_metadata(meta: dict, executor, closed_loop: bool) -> None:
@@ -2244,6 +2331,12 @@ async def run_env_client(args) -> int:
             reason = closed.rcvd.reason if closed.rcvd else ""
             if reason.startswith(SERVER_FAILED):
                 raise SystemExit(f"the server failed ({reason}); see its log") from None
+            if closed.rcvd and closed.rcvd.code == 1009:  # resending the same message cannot help
+                raise SystemExit(f"the server refused a message as too large ({reason}): raise its "
+                                 "--max-message-bytes, or step fewer --num-envs per client") from None
+            if closed.sent and closed.sent.code == 1009:
+                raise SystemExit(f"the server sent a message too large for this client "
+                                 f"({closed.sent.reason}): raise its --max-message-bytes") from None
             if reason == RUN_FINISHED:
                 ending = "the server ended the run"
             else:  # a restart or a network blink: the decision in flight is dropped
@@ -2358,12 +2451,15 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
     add("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     add("--port", type=int, help="0 picks a free port, printed at start (default: 8000; with "
         "--local-env-clients, a free port)")
-    add("--run-dir", help="a new folder for checkpoints and metrics (default: a new "
-        "runs/ALGO-ENV-seedN-TIME)")
+    add("--run-dir", help="a new folder for checkpoints and metrics, or with --resume the run to "
+        "continue (default: runs/ALGO[-ENV][-seedN]-TIME, ENV with --local-env-clients)")
+    add("--plugin", metavar="MODULE", action="append", help="import MODULE first: its "
+        "policies, algorithms and environments (repeatable)")
     add("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
     add("--seed", type=int, help="seeds torch and numpy on the server (and local clients)")
     add("--local-env-clients", type=int, default=0, metavar="N", help="start N env clients too")
-    add("--local-env", metavar="ENV_ID", help="their environment (default: the first that fits)")
+    add("--local-env", metavar="ENV_ID", help="their environment (default: the algorithm's example_env, else the first registered "
+        "that fits)")
     add("--local-num-envs", type=int, default=1, metavar="M", help="environments per local client")
     add("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="auto: cuda if any")
     add("--learn-threads", type=int, metavar="N",
@@ -2482,19 +2578,22 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
                              *[f"seed{args.seed}"] * (args.seed is not None),
                              time.strftime("%Y%m%d-%H%M%S")])
             base = os.path.join("runs", re.sub(r"[^\w.-]", "_", name))  # letters, digits, -_. stay
-            for suffix in itertools.count(1):
-                run_dir = base if suffix == 1 else f"{base}-{suffix}"
-                try:
-                    os.makedirs(run_dir)  # runs/ too; FileExistsError if it is taken
-                    break
-                except FileExistsError:
-                    continue
-        os.makedirs(run_dir, exist_ok=True)
-        try:
-            with open(os.path.join(run_dir, CONFIG), "w" if args.resume else "x") as file:
-                json.dump(resolved, file, indent=2)
-        except FileExistsError:  # another run claimed it since the check at the start
-            raise SystemExit(_usage_error(f"{run_dir} holds a run already: name another --run-dir"))
+            with naming(f"cannot make a run directory in {os.path.abspath('runs')}"):
+                for suffix in itertools.count(1):
+                    run_dir = base if suffix == 1 else f"{base}-{suffix}"
+                    try:
+                        os.makedirs(run_dir)  # runs/ too; FileExistsError if it is taken
+                        break
+                    except FileExistsError:
+                        continue
+        with naming(f"cannot make the run directory {run_dir}"):
+            os.makedirs(run_dir, exist_ok=True)
+            try:
+                with open(os.path.join(run_dir, CONFIG), "w" if args.resume else "x") as file:
+                    json.dump(resolved, file, indent=2)
+            except FileExistsError:  # another run claimed it since the check at the start
+                raise SystemExit(_usage_error(f"{run_dir} holds a run already: name another "
+                                              "--run-dir"))
         print(f"run directory: {run_dir}", flush=True)
         return run_dir
 
@@ -2513,7 +2612,8 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
             seed = [] if args.seed is None else ["--seed", str(args.seed + i - 1)]
             command = [sys.executable, os.path.abspath(__file__), *client_args, *seed]
             log_path = os.path.join(server.run_dir, f"env-client-{i}.log")
-            with open(log_path, "a") as log:  # a resumed run adds to its log
+            with naming(f"cannot start local env client {i} (its log: {log_path})"), \
+                    open(log_path, "a") as log:  # a resumed run adds to its log
                 print(f"--- env client {i} started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
                       f"{' '.join(command[1:])}", file=log, flush=True)
                 # A session of its own: signals for the server (Ctrl-C, timeout) stay with it,
@@ -2527,9 +2627,9 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
         signal.signal(signum, server.on_signal)
     try:
         return asyncio.run(server.run(args.host, args.port, start))
-    except OSError as error:  # the port is taken, or the address is not this machine's
-        raise SystemExit(f"error: cannot listen on {args.host}:{args.port}: "
-                         f"{error.strerror or error}") from None
+    except CommandError as error:  # it names what failed: the port, the run directory, a file
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     finally:
         for _, client, _ in server.local_clients:
             try:
@@ -2575,6 +2675,8 @@ def env_client_main(argv: list[str]) -> int:
     add("--controller", default="track", help="track (dummy-v1, pendulum-v1)")
     add("--reward-aggregation", default="sum", choices=REWARD_AGGREGATIONS)
     add("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES)
+    add("--plugin", metavar="MODULE", action="append", help="import MODULE first: its "
+        "environments (repeatable)")
     args = parser.parse_args(argv)
     if args.num_envs < 1 or args.num_episodes < 0:
         parser.error("--num-envs must be at least 1 and --num-episodes at least 0")
