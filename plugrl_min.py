@@ -64,7 +64,7 @@ if int(websockets.__version__.split(".")[0]) < 15:  # older ones lack the API be
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from websockets.asyncio.client import connect
-from websockets.asyncio.server import serve
+from websockets.asyncio.server import serve as websockets_serve
 
 PROTOCOL_VERSION = 1
 TORCH_THREADS = torch.get_num_threads()  # torch's own count, before the server sets its own
@@ -104,33 +104,43 @@ class ProtocolError(ValueError):
         self.hint = hint
 
 
+def _rebuild(container, depth: int, arrays: list, specs: list | None):
+    # A copy of a dict or list (a tuple becomes a list), by one walker for both ends. Packing
+    # (specs given): {"__array__": i} in place of each array, which joins arrays, its (dtype,
+    # shape) joining specs. Unpacking: arrays[i] in place of each {"__array__": i} (checked).
+    packing = specs is not None
+    if depth > _MAX_DEPTH:
+        raise ProtocolError(f"the {'message' if packing else 'header'} nests deeper than "
+                            f"{_MAX_DEPTH} levels" + " (or in itself)" * packing)
+    if packing and isinstance(container, dict) and "__array__" in container:
+        raise ProtocolError("the key '__array__' is reserved by the wire format")
+    copy, items = ((dict(container), container.items()) if isinstance(container, dict)
+                   else (list(container), enumerate(container)))
+    for key, value in items:  # one call per container; the plain form calls once per value
+        if packing and isinstance(value, (np.ndarray, np.generic)):
+            array = np.asarray(value, order="C")  # unlike ascontiguousarray, keeps 0-d as 0-d
+            dtype = _WIRE_DTYPES.get(array.dtype)
+            if dtype is None:
+                raise ProtocolError(f"cannot send dtype {array.dtype}: only bool, int, uint "
+                                    "and float arrays, little-endian")
+            copy[key] = {"__array__": len(arrays)}
+            arrays.append(array)
+            specs.append((dtype, array.shape))
+        elif not packing and isinstance(value, dict) and "__array__" in value:
+            index = value["__array__"]
+            if type(index) is not int or not 0 <= index < len(arrays) or len(value) != 1:
+                raise ProtocolError(f"bad array reference {str(value)[:80]}")
+            copy[key] = arrays[index]
+        elif isinstance(value, (dict, list, tuple)):
+            copy[key] = _rebuild(value, depth + 1, arrays, specs)
+    return copy  # any other value is json's to write, or to refuse
+
+
 def pack_message(message: dict) -> bytes:
     """Encode a dict of JSON values and numpy arrays, nested, as one binary frame."""
     arrays, specs = [], []  # the arrays in frame order, and their (dtype, shape) for the header
 
-    def encode(container, depth):
-        # A copy of a dict, list or tuple, with {"__array__": i} in place of each array.
-        if depth > _MAX_DEPTH:
-            raise ProtocolError(f"the message nests deeper than {_MAX_DEPTH} levels (or in itself)")
-        if isinstance(container, dict) and "__array__" in container:
-            raise ProtocolError("the key '__array__' is reserved by the wire format")
-        copy, items = ((dict(container), container.items()) if isinstance(container, dict)
-                       else (list(container), enumerate(container)))
-        for key, value in items:  # one call per container; the plain form calls once per value
-            if isinstance(value, (np.ndarray, np.generic)):
-                array = np.asarray(value, order="C")  # unlike ascontiguousarray, keeps 0-d as 0-d
-                dtype = _WIRE_DTYPES.get(array.dtype)
-                if dtype is None:
-                    raise ProtocolError(f"cannot send dtype {array.dtype}: only bool, int, uint "
-                                        "and float arrays, little-endian")
-                copy[key] = {"__array__": len(arrays)}
-                arrays.append(array)
-                specs.append((dtype, array.shape))
-            elif isinstance(value, (dict, list, tuple)):
-                copy[key] = encode(value, depth + 1)
-        return copy  # any other value is json's to write, or to refuse
-
-    body = {"message": encode(message, 1), "arrays": specs}
+    body = {"message": _rebuild(message, 1, arrays, specs), "arrays": specs}
     try:
         header = _HEADER_ENCODER.encode(body).encode()
     except (TypeError, ValueError) as error:
@@ -170,23 +180,6 @@ def _check_header(header: bytes) -> tuple:
     return message, layout
 
 
-def _with_arrays(template, arrays: list, depth: int):
-    # A copy of a header's dict or list, arrays[i] in place of each {"__array__": i} (checked).
-    if depth > _MAX_DEPTH:
-        raise ProtocolError(f"the header nests deeper than {_MAX_DEPTH} levels")
-    copy, items = ((dict(template), template.items()) if isinstance(template, dict)
-                   else (list(template), enumerate(template)))
-    for key, value in items:  # one call per container; the plain form calls once per value
-        if isinstance(value, dict) and "__array__" in value:
-            index = value["__array__"]
-            if type(index) is not int or not 0 <= index < len(arrays) or len(value) != 1:
-                raise ProtocolError(f"bad array reference {str(value)[:80]}")
-            copy[key] = arrays[index]
-        elif isinstance(value, (dict, list)):
-            copy[key] = _with_arrays(value, arrays, depth + 1)
-    return copy
-
-
 # A client repeats its header frame after frame: unpack keeps up to 64 checked ones (<= 4 KiB
 # each), and forgets them all when a 65th comes.
 _CHECKED_HEADERS = {}  # header bytes -> (template, layout); the plain form checks every header
@@ -220,7 +213,7 @@ def unpack_message(frame: bytes) -> dict:
         offset += size
     if offset != len(frame):
         raise ProtocolError(f"{len(frame) - offset} bytes are left over after the declared arrays")
-    return _with_arrays(template, arrays, 1)
+    return _rebuild(template, 1, arrays, None)
 
 
 # ===== 2. State types: what flows from infer to feedback, and what a checkpoint holds =====
@@ -245,6 +238,13 @@ class Checkpoint:
     model: dict | None
     optimizer: dict | None
     meta: dict
+
+
+def obs_spec_of(spec: dict) -> dict:
+    """An obs_spec written one way: shapes as tuples of ints, dtypes as np.dtype ("<f4",
+    "float32" and np.float32 are one dtype; [3] and (3,) one shape)."""
+    return {key: (tuple(int(size) for size in shape), np.dtype(dtype))
+            for key, (shape, dtype) in spec.items()}
 
 
 def map_arrays(function, tree):
@@ -1003,8 +1003,7 @@ class Server:
         self.global_step = global_step
         self.version = policy_version  # learns so far (a resumed run continues the count)
         policy = algo.policy
-        self.obs_spec = {key: (tuple(shape), np.dtype(dtype))
-                         for key, (shape, dtype) in policy.obs_spec.items()}
+        self.obs_spec = obs_spec_of(policy.obs_spec)
         self.action_shape = (policy.action_horizon, policy.action_dim)
         self.action_dtype = np.float32 if policy.num_actions is None else np.int64
         self.metadata = {"message_type": "metadata", "protocol_version": PROTOCOL_VERSION,
@@ -1043,32 +1042,25 @@ class Server:
 
     async def run(self, host: str, port: int, on_listening=None) -> int:
         """Serve until should_stop() or a signal (status 0), or a local client or hook fails (1).
-        Its tasks: serve() runs handle_client for each connection (and reject, for one that broke
-        the protocol); this one runs control_loop; tick wakes the loop for its timed checks.
+        Tasks: handle_client per connection (and reject), this one's control_loop, and tick.
         on_listening(port) runs once the port is taken, before anything is written."""
         self.loop = asyncio.get_running_loop()
         # A ping every --feedback-timeout s keeps idle connections open; a late pong closes none:
         # drop_silent_clients is the one rule for a client that went silent.
         with naming(f"cannot listen on {host}:{port}"):  # the bind alone: the port is taken...
-            server = await serve(self.handle_client, host, port, max_size=self.max_message_bytes,
-                                 compression=None, process_request=self.check_token,
-                                 ping_interval=self.feedback_timeout, ping_timeout=None)
+            server = await websockets_serve(self.handle_client, host, port, compression=None,
+                                            max_size=self.max_message_bytes, ping_timeout=None,
+                                            process_request=self.check_token,
+                                            ping_interval=self.feedback_timeout)
         async with server:
             self.open_run(server.sockets, on_listening)
-            metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
-            with naming(f"cannot open {metrics_path}"):
-                metrics = open(metrics_path, "a", buffering=1)
-            with metrics:
-                self.metrics_file = metrics
+            with open_metrics(self.run_dir) as self.metrics_file:
                 ticker = asyncio.create_task(self.tick())
                 try:
                     await self.control_loop()
                     code, reason, status = 1000, RUN_FINISHED, self.status
                 except Exception as error:  # a hook raised: no checkpoint is written after it
-                    if isinstance(error, CommandError):  # a file of the run could not be written
-                        print(f"error: {error}", file=sys.stderr, flush=True)
-                    else:
-                        traceback.print_exc()
+                    print_failure(error)
                     code, reason, status = 1011, f"{SERVER_FAILED}: {type(error).__name__}", 1
                 ticker.cancel()
                 # Stop accepting first, then close every open connection with the reason, the
@@ -1193,10 +1185,8 @@ class Server:
             request.conn.heard_at = now
             reply = {"message_type": "action", "env_indices": request.env_indices,
                      "action": action[first:row]}
-            try:
+            with contextlib.suppress(websockets.ConnectionClosed):
                 await request.conn.ws.send(pack_message(reply))
-            except websockets.ConnectionClosed:
-                pass
 
     def route_feedback(self, message: FeedbackMessage) -> None:
         """The routing rule: feedback() for frames the algorithm stores, discard_feedback() else."""
@@ -1232,8 +1222,7 @@ class Server:
         self.frames += len(message.frames)
 
     async def learn_once(self) -> None:
-        """pre_learn, learn() in the learn thread, post_learn. Meanwhile the event loop still
-        receives and queues messages, but answers none: no infer runs during a learn."""
+        """pre_learn, learn() in the learn thread, post_learn; messages queue, none is answered."""
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         if self.ranks is not None:  # several ranks: each gets the batch, then all learn at once
@@ -1393,11 +1382,9 @@ class Server:
         """Tell the client what was wrong, then close its connection (and no other)."""
         self.connections.discard(conn)
         reply = {"message_type": "error", "message": str(error), "hint": error.hint}
-        try:
+        with contextlib.suppress(websockets.ConnectionClosed):
             await conn.ws.send(pack_message(reply))
             await conn.ws.close(1008, str(error).encode()[:120].decode(errors="ignore"))
-        except websockets.ConnectionClosed:
-            pass
 
     def watch_local_clients(self) -> None:
         """A local env client (--local-env-clients) that failed stops the run, with status 1."""
@@ -1501,6 +1488,22 @@ def naming(what: str):
         yield
     except OSError as error:
         raise CommandError(f"{what}: {error.strerror or error}") from None
+
+
+def open_metrics(run_dir: str):
+    """The run's metrics.jsonl, appended to, a line at a time (a resumed run continues it)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    with naming(f"cannot open {path}"):
+        return open(path, "a", buffering=1)
+
+
+def print_failure(error: Exception) -> None:
+    """A hook's exception with its traceback; a file of the run that could not be written, in
+    one line that names it."""
+    if isinstance(error, CommandError):
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    else:
+        traceback.print_exc()
 
 
 def checkpoint_paths(run_dir: str) -> list[str]:
@@ -2265,15 +2268,15 @@ def check_metadata(meta: dict, executor, closed_loop: bool) -> None:
         raise SystemExit(f"the server speaks protocol {meta.get('protocol_version')}, "
                          f"this client {PROTOCOL_VERSION}")
     misfit = "the server's policy does not fit this environment:"
-    reads = {key: f"{np.dtype(spec['dtype']).name} {list(spec['shape'])}"  # "<f4" or "float32"
-             for key, spec in meta["obs_spec"].items()}
-    gives = {key: f"{np.dtype(dtype).name} {list(shape)}"
-             for key, (shape, dtype) in executor.env.obs_spec.items()}
+    reads = obs_spec_of({key: (spec["shape"], spec["dtype"])
+                         for key, spec in meta["obs_spec"].items()})
+    gives = obs_spec_of(executor.env.obs_spec)
     for key in sorted(reads.keys() | gives.keys()):  # the first key that differs, by name
         if reads.get(key) != gives.get(key):
-            raise SystemExit(f"{misfit} observation {key!r}: the policy reads "
-                             f"{reads.get(key, 'nothing')}, this environment gives "
-                             f"{gives.get(key, 'nothing')} (see --policy.obs-dim)")
+            read, given = (f"{spec[key][1].name} {list(spec[key][0])}" if key in spec
+                           else "nothing" for spec in (reads, gives))
+            raise SystemExit(f"{misfit} observation {key!r}: the policy reads {read}, this "
+                             f"environment gives {given} (see --policy.obs-dim)")
     theirs = action_space(meta["action_dim"], meta.get("num_actions"))
     needed = (action_space(executor.controller.decision_dim, None) if closed_loop
               else action_space(executor.env.action_dim, executor.env.num_actions))
@@ -2332,8 +2335,9 @@ async def run_env_client(args) -> int:
             if reason.startswith(SERVER_FAILED):
                 raise SystemExit(f"the server failed ({reason}); see its log") from None
             if closed.rcvd and closed.rcvd.code == 1009:  # resending the same message cannot help
-                raise SystemExit(f"the server refused a message as too large ({reason}): raise its "
-                                 "--max-message-bytes, or step fewer --num-envs per client") from None
+                raise SystemExit(f"the server refused a message as too large ({reason}): raise "
+                                 "its --max-message-bytes, or step fewer --num-envs per client"
+                                 ) from None
             if closed.sent and closed.sent.code == 1009:
                 raise SystemExit(f"the server sent a message too large for this client "
                                  f"({closed.sent.reason}): raise its --max-message-bytes") from None
@@ -2421,7 +2425,8 @@ def _building(what: str, build, *args):
         raise SystemExit(f"error: building {what} failed (the traceback above says why)") from None
 
 
-def server_main(argv: list[str], plugins: list[str] = ()) -> int:
+def server_main(argv: list[str], plugins: list[str] = (), background: bool = False,
+                command_line: bool = False):
     """Parse the server command line, build policy and algorithm, maybe resume, and serve."""
     words = argv[:4]  # POLICY VARIANT ALGO VARIANT
     if len(words) < 4 or any(word.startswith("-") for word in words):  # --help alone lands here
@@ -2458,8 +2463,8 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
     add("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
     add("--seed", type=int, help="seeds torch and numpy on the server (and local clients)")
     add("--local-env-clients", type=int, default=0, metavar="N", help="start N env clients too")
-    add("--local-env", metavar="ENV_ID", help="their environment (default: the algorithm's example_env, else the first registered "
-        "that fits)")
+    add("--local-env", metavar="ENV_ID", help="their environment (default: the algorithm's "
+        "example_env, else the first registered that fits)")
     add("--local-num-envs", type=int, default=1, metavar="M", help="environments per local client")
     add("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="auto: cuda if any")
     add("--learn-threads", type=int, metavar="N",
@@ -2557,8 +2562,9 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
     if args.resume:  # the run's own checkpoints: pruning may delete its older ones
         server.saved = checkpoint_paths(args.run_dir)
     space = action_space(policy.action_dim, policy.num_actions)
-    fits = [env_id for env_id, env in ENVIRONMENTS.items() if env.obs_spec == policy.obs_spec
-            and action_space(env.action_dim, env.num_actions) == space]  # in registration order
+    fits = [env_id for env_id, env in ENVIRONMENTS.items()  # in registration order
+            if obs_spec_of(env.obs_spec) == server.obs_spec
+            and action_space(env.action_dim, env.num_actions) == space]
     local_env = args.local_env or min(fits, key=lambda env_id: env_id != algo.example_env,
                                       default=None)  # the algorithm's own example first
     if args.local_env_clients:  # checked now: a start that fails leaves no trace on disk
@@ -2623,19 +2629,134 @@ def server_main(argv: list[str], plugins: list[str] = ()) -> int:
                                            env={**os.environ, "PLUGRL_TOKEN": args.token or ""})
             server.local_clients.append((i, process, log_path))
 
-    for signum in (signal.SIGINT, signal.SIGTERM):  # until the process exits: see on_signal
-        signal.signal(signum, server.on_signal)
+    if not background and threading.current_thread() is threading.main_thread() and not (
+            loop_running()):
+        return serve(server, args.host, args.port, start, command_line)
+    serving = Serving(server, args.host, args.port, start)  # a notebook cell, or start()
+    return serving if background else serving.wait()
+
+
+def serve(server: Server, host: str, port: int, start, command_line: bool) -> int:
+    """Serving in the main thread: its exit status. SIGINT and SIGTERM call server.on_signal,
+    on the command line until the process exits (main([...]) restores the old handlers after
+    the run). The local clients get 10 s to end, then are killed."""
+    before = {signum: signal.signal(signum, server.on_signal)
+              for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return asyncio.run(server.run(args.host, args.port, start))
+        return asyncio.run(server.run(host, port, start))
     except CommandError as error:  # it names what failed: the port, the run directory, a file
         print(f"error: {error}", file=sys.stderr)
         return 1
     finally:
-        for _, client, _ in server.local_clients:
+        reap(server.local_clients, 10)
+        for signum, handler in before.items():
+            if not command_line:  # a script or a REPL goes on after the run
+                signal.signal(signum, handler)
+
+
+def reap(local_clients: list, seconds: float) -> None:
+    """Wait for each local env client to end, then kill what is left."""
+    for _, client, _ in local_clients:
+        try:
+            client.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            client.kill()
+            client.wait()
+
+
+# --- In a notebook: the server on a thread of its own, Interrupt as Ctrl-C ---------------------
+# plugrl_min's own: a kernel runs an event loop already, and its signals are the kernel's.
+
+def loop_running() -> bool:
+    """True in a notebook cell: its kernel runs an event loop in this thread already."""
+    try:
+        return asyncio.get_running_loop() is not None
+    except RuntimeError:
+        return False
+
+
+class Serving:
+    """A run served on a thread of its own (a kernel's loop is busy with the notebook): wait()
+    blocks like the command line, and the kernel's Interrupt acts as Ctrl-C: once, a clean
+    stop with the final checkpoint; again a second later, a stop at once without one (130)."""
+
+    def __init__(self, server: Server, host: str, port: int, start):
+        self.server, self.status, self.task = server, None, None
+        self.started = threading.Event()  # the run directory is claimed, or the run failed
+        self.done = threading.Event()
+
+        def claimed(port: int) -> None:
+            start(port)
+            self.started.set()
+
+        self.thread = threading.Thread(target=self.serve, args=(host, port, claimed),
+                                       name="plugrl-server", daemon=True)
+        self.thread.start()
+        self.started.wait()
+
+    @property
+    def run_dir(self) -> str:
+        """Where this run writes its checkpoints and metrics.jsonl."""
+        return self.server.run_dir
+
+    def serve(self, host: str, port: int, claimed) -> None:
+        """The thread: the server's own event loop, until the run ends."""
+        async def run() -> int:
+            self.task = asyncio.current_task()
+            return await self.server.run(host, port, claimed)
+        try:
+            self.status = asyncio.run(run())
+        except CommandError as error:
+            print(f"error: {error}", file=sys.stderr)
+            self.status = 1
+        except asyncio.CancelledError:  # stopped at once: no checkpoint
+            self.status = 130
+        finally:
+            self.server.learn_executor.shutdown(wait=False)  # its learn, if any, ends alone
+            reap(self.server.local_clients, 0 if self.status == 130 else 10)
+            self.started.set()
+            self.done.set()
+
+    def stop(self) -> int:
+        """Stop after the learn in progress, with the final checkpoint: the exit status."""
+        self.ask(self.server.request_stop)
+        return self.wait()
+
+    def ask(self, order) -> None:
+        """order() in the server's thread, between two lines of its loop (if it still runs)."""
+        with contextlib.suppress(RuntimeError):  # the loop has closed: the run is over
+            self.server.loop.call_soon_threadsafe(order)
+
+    def wait(self) -> int:
+        """Until the run ends: its exit status, as the command line would give it."""
+        interrupted_at = None
+        while not self.done.is_set():
             try:
-                client.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                client.kill()
+                time.sleep(0.05)  # not thread.join: interrupted, it can think the thread ended
+            except KeyboardInterrupt:  # the kernel's Interrupt, or Ctrl-C in a REPL
+                now = time.monotonic()
+                if interrupted_at is None:
+                    interrupted_at = now
+                    print("\nstopping: a final checkpoint once the learn in progress (if any) "
+                          "ends; Interrupt again quits without one", file=sys.stderr, flush=True)
+                    self.ask(self.server.request_stop)
+                elif now - interrupted_at >= 1.0 and self.task is not None:
+                    print("\nstopped again: stopping now, without a final checkpoint",
+                          file=sys.stderr, flush=True)
+                    self.ask(self.task.cancel)
+        self.thread.join()
+        return self.status
+
+
+def start(argv: list[str]) -> Serving:
+    """The server command, trained in the background (a notebook stays free): the same words
+    and flags as the command line. Its run_dir is claimed on return; stop() ends it."""
+    plugins, argv = import_plugins(list(argv))
+    import_sac_example()
+    serving = server_main(argv, plugins, background=True)
+    if not isinstance(serving, Serving):
+        raise RuntimeError(f"the run did not start (exit status {serving}; see above)")
+    return serving
 
 
 def report_main(argv: list[str]) -> int:
@@ -2719,18 +2840,29 @@ def import_sac_example() -> None:
         spec.loader.exec_module(module)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """The command line: the server, env-client or report; exits with the status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+def main(argv: list[str] | None = None) -> int:
+    """The command line: the server, env-client or report. main() reads sys.argv and exits
+    with the status; main([...]) returns it, as pytest.main does (in a notebook cell too)."""
+    words = list(sys.argv[1:] if argv is None else argv)
     try:
-        plugins, argv = import_plugins(argv)
+        plugins, words = import_plugins(words)
         command = {"env-client": env_client_main,
-                   "report": report_main}.get(argv[0] if argv else "")
+                   "report": report_main}.get(words[0] if words else "")
         if command is None:  # only the server serves sac
             import_sac_example()
+        status = (server_main(words, plugins, command_line=argv is None) if command is None
+                  else command(words[1:]))
     except RegistrationError as error:
-        sys.exit(_usage_error(error))
-    sys.exit(server_main(argv, plugins) if command is None else command(argv[1:]))
+        status = _usage_error(error)
+    except SystemExit as stop:  # argparse's --help and usage errors, a one-line error
+        if argv is None:
+            raise
+        if isinstance(stop.code, str):
+            print(stop.code, file=sys.stderr)
+        status = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+    if argv is None:
+        sys.exit(status)
+    return status
 
 
 if __name__ == "__main__":

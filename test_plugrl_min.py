@@ -19,6 +19,7 @@ import json
 import math
 import os
 import pathlib
+import queue
 import re
 import shutil
 import signal
@@ -125,14 +126,12 @@ def run_main(*argv) -> tuple[int, str, str]:
     threads = torch.get_num_threads()  # the server sets its own
     out, err = io.StringIO(), io.StringIO()
     try:  # Ctrl-C and SIGTERM stay pytest's: the server's handlers are for a process of its own
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stop, \
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
                 unittest.mock.patch.object(plugrl_min.signal, "signal"):
-            plugrl_min.main([str(word) for word in argv])
+            status = plugrl_min.main([str(word) for word in argv])  # returns the status: main() exits
     finally:
         torch.set_num_threads(threads)
-    if isinstance(stop.value.code, str):  # SystemExit("message"): Python prints it, and the status is 1
-        return 1, out.getvalue(), err.getvalue() + stop.value.code + "\n"
-    return stop.value.code or 0, out.getvalue(), err.getvalue()
+    return status, out.getvalue(), err.getvalue()
 
 
 def interrupt(signum, frame):
@@ -4032,6 +4031,24 @@ def test_a_plugins_environment_trains_with_local_clients(tmp_path, plugins_in_pr
     assert read_metrics(tmp_path / "run", event="end")[0]["rollout/length"] == 20
 
 
+SPELLED_ENV = MY_ENV.replace('"my-line-v0"', '"spelled-v0"').replace("max_steps = 20", "max_steps = 20\n    obs_spec = SPEC") \
+    .replace("np.zeros_like(self.x), -self.x]", "*[np.zeros_like(self.x)] * 5, -self.x]")  # 7 numbers
+
+
+@pytest.mark.parametrize("spec", ['{"state": ((7,), "<f4")}', '{"state": ([7], np.float32)}'],
+                         ids=["dtype '<f4'", "a list shape"])
+def test_a_plugin_environment_spelling_its_obs_spec_another_way_is_accepted_and_chosen(tmp_path, plugins_in_process,
+                                                                                     monkeypatch, spec):
+    write_plugin(tmp_path, "plugrl_test_spelled", SPELLED_ENV.replace("SPEC", spec))
+    monkeypatch.setenv("PYTHONPATH", subprocess_env(tmp_path)["PYTHONPATH"])  # where the local client finds it
+    status, _, err = run_main("dummy-policy", "default", "dummy", "default", "--plugin", "plugrl_test_spelled",
+                              "--policy.obs-dim", "7", "--local-env-clients", "1", "--port", "0",
+                              "--algo.global-steps", "60", "--run-dir", tmp_path / "run")  # no --local-env
+    assert status == 0, err
+    assert " env-client spelled-v0 " in (tmp_path / "run" / "env-client-1.log").read_text()
+    assert read_metrics(tmp_path / "run", event="end")[0]["rollout/length"] == 20
+
+
 def test_an_unknown_environment_is_a_one_line_error_listing_the_registered_ones():
     status, _, err = run_main("env-client", "no-such-env-v0", "--connect-timeout", "1")
     assert status == 2
@@ -5106,7 +5123,7 @@ bench = pytest.mark.skipif(os.environ.get("PLUGRL_BENCH") != "1",
 
 def test_the_benchmarks_are_skipped_unless_plugrl_bench_is_1():
     benchmarks = {name: test for name, test in globals().items() if name.startswith("test_bench_")}
-    assert len(benchmarks) == 7
+    assert len(benchmarks) == 8
     for name, test in benchmarks.items():  # each carries the one skipif mark, and no other
         assert [mark for mark in getattr(test, "pytestmark", []) if mark.name.startswith("skip")] == [bench.mark], name
     (skipped,) = bench.mark.args  # pytest skips them when it is true; it was worked out as this file was imported
@@ -6082,10 +6099,9 @@ def test_report_of_a_missing_run_or_an_empty_metrics_file_is_a_one_line_error_an
     if what == "an empty metrics.jsonl":
         run.mkdir()
         (run / "metrics.jsonl").write_text("")
-    with pytest.raises(SystemExit) as exit:
-        plugrl_min.main(["report", str(run)])
+    status = plugrl_min.main(["report", str(run)])
     said = capsys.readouterr().err.strip().splitlines()
-    assert exit.value.code == 2 and len(said) == 1 and said[0].startswith("error: ")
+    assert status == 2 and len(said) == 1 and said[0].startswith("error: ")
     assert ("holds no metrics.jsonl" if what == "a missing directory" else "is empty") in said[0]
 
 
@@ -7102,3 +7118,634 @@ def test_bench_the_readmes_learning_tables_are_what_seeds_1_to_3_print(tmp_path)
         differs += [f"{section}: {row} where the README has {shown}" for row, shown in zip(measured, table)
                     if row != shown]
     assert not differs, "\n".join(differs)
+
+
+# =============================================================================================
+# In a notebook: main([...]) in a real Jupyter kernel, Interrupt as Ctrl-C, start() and stop()
+# =============================================================================================
+
+class Kernel:
+    """A real ipykernel, started from this Python through a kernel spec of the test's own, and a
+    client that runs cells in it: the notebook a student runs, without the browser."""
+
+    def __init__(self, folder):
+        jupyter_client = pytest.importorskip("jupyter_client", reason="jupyter_client is not installed")
+        pytest.importorskip("ipykernel", reason="ipykernel is not installed")
+        from jupyter_client.kernelspec import KernelSpecManager
+        spec = folder / "kernels" / "plugrl-test"
+        spec.mkdir(parents=True)
+        (spec / "kernel.json").write_text(json.dumps({
+            "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": "plugrl test", "language": "python", "interrupt_mode": "signal"}))
+        specs = KernelSpecManager(kernel_dirs=[str(folder / "kernels")])
+        self.manager = jupyter_client.KernelManager(kernel_name="plugrl-test", kernel_spec_manager=specs)
+        self.manager.start_kernel(cwd=str(folder), env=subprocess_env())
+        self.client = self.manager.client()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=60)
+        self.run(f"import sys; sys.path.insert(0, {HERE!r}); import plugrl_min")  # this checkout's file
+
+    def run(self, code: str, timeout: float = 120.0, when=None) -> str:
+        """Run a cell: what it printed (an exception as 'ERROR name'). when(text) is called five
+        times a second while the cell runs, until it returns true."""
+        msg_id = self.client.execute(code)
+        texts, deadline = [], time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, f"the cell did not end in {timeout} s: {''.join(texts)[-2000:]}"
+            if when is not None and when("".join(texts)):
+                when = None
+            try:
+                message = self.client.get_iopub_msg(timeout=min(left, 0.2))
+            except queue.Empty:
+                continue
+            if message["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = message["msg_type"], message["content"]
+            if kind == "stream":
+                texts.append(content["text"])
+            elif kind == "error":
+                texts.append(f"ERROR {content['ename']}: {content['evalue']}\n")
+            elif kind == "status" and content["execution_state"] == "idle":
+                return "".join(texts)
+
+    def alive(self) -> bool:
+        return self.manager.is_alive() and self.run("print(6 * 7)", timeout=30).strip() == "42"
+
+    def close(self) -> None:
+        self.client.stop_channels()
+        self.manager.shutdown_kernel(now=True)
+
+
+@pytest.fixture
+def kernel(tmp_path):
+    kernel = Kernel(tmp_path)
+    yield kernel
+    kernel.close()
+
+
+def notebook_words(run_dir, steps, algo="pg") -> list[str]:
+    return ["dummy-policy", "default", algo, "default", "--local-env-clients", "1", "--local-num-envs", "16",
+            "--algo.global-steps", str(steps), "--log-every", "1", "--port", "0", "--run-dir", str(run_dir)]
+
+
+def interrupt_after_a_learn(kernel, run_dir, times=1, marker="metrics.jsonl"):
+    """when(): once the run has written its marker file (a metrics line), the kernel's Interrupt,
+    `times` times 1.5 s apart."""
+    def when(text):
+        if not (run_dir / marker).exists() or not (run_dir / marker).read_text() and marker == "metrics.jsonl":
+            return False
+        for i in range(times):
+            time.sleep(1.5 * (i > 0))  # a second Interrupt a second or more later: stop at once
+            kernel.manager.interrupt_kernel()
+        return True
+    return when
+
+
+def test_main_in_a_notebook_cell_returns_0_and_leaves_a_checkpoint_twice_in_one_kernel(kernel, tmp_path):
+    runs = [tmp_path / "first", tmp_path / "second"]
+    said = kernel.run("\n".join(f"print('status', plugrl_min.main({notebook_words(run, 8192)!r}))" for run in runs))
+    assert said.count("status 0") == 2 and "ERROR" not in said, said[-3000:]
+    for run in runs:
+        assert [path.name for path in (run / "checkpoints").iterdir()] == ["step_000000008192.pt"]
+        assert (run / "config.json").exists() and (run / "env-client-1.log").exists()
+
+
+def threads_and_children(kernel) -> str:
+    return kernel.run("import os, threading, glob\n"
+                      "print(sorted(t.name for t in threading.enumerate() if t.name.startswith(('plugrl', 'learn'))),"
+                      " [p for p in glob.glob('/proc/[0-9]*/stat')"
+                      "  if open(p).read().rsplit(')', 1)[1].split()[1] == str(os.getpid())])").strip()
+
+
+def test_an_interrupt_in_a_notebook_stops_the_run_as_ctrl_c_and_the_kernel_lives_on(kernel, tmp_path):
+    run = tmp_path / "long"
+    said = kernel.run(f"print('status', plugrl_min.main({notebook_words(run, 10**9)!r}))",
+                      when=interrupt_after_a_learn(kernel, run))
+    assert "stopping: a final checkpoint" in said and "status 0" in said and "ERROR" not in said, said[-3000:]
+    assert plugrl_min.checkpoint_paths(run) and read_metrics(run, event=None)[-1]["event"] == "end"
+    assert threads_and_children(kernel) == "[] []"  # no server thread, learn thread or client left
+    time.sleep(40)  # a client left behind would give up on its server after 30 s, and end the kernel
+    assert kernel.alive()
+
+
+SLOW_LEARNER = """
+import dataclasses, time
+from plugrl_min import DummyAlgoConfig, DummyAlgorithm, register_algo, register_algo_config
+
+@register_algo_config("slow")
+@dataclasses.dataclass
+class SlowConfig(DummyAlgoConfig):
+    learn_every: int = 160
+
+@register_algo("slow")
+class Slow(DummyAlgorithm):
+    def learn_impl(self):  # a learn of 4 s: the first Interrupt waits for it, the second does not
+        open(LEARNING, "w").close()  # the test interrupts now, in the learn
+        time.sleep(4)
+        return super().learn_impl()
+"""
+
+
+def test_a_second_interrupt_in_a_notebook_stops_at_once_without_a_checkpoint_and_the_kernel_lives(kernel, tmp_path):
+    run = tmp_path / "long"
+    kernel.run(SLOW_LEARNER.replace("LEARNING", repr(str(run / "learning"))))
+    started = time.monotonic()
+    said = kernel.run(f"print('status', plugrl_min.main({notebook_words(run, 10**9, 'slow')!r}))",
+                      when=interrupt_after_a_learn(kernel, run, times=2, marker="learning"))
+    assert "stopped again: stopping now, without a final checkpoint" in said and "status 130" in said, said[-3000:]
+    assert not plugrl_min.checkpoint_paths(run) and time.monotonic() - started < 60
+    deadline = time.monotonic() + 20  # the learn in progress ends in its own thread, within its 4 s
+    while (left := threads_and_children(kernel)) != "[] []":
+        assert time.monotonic() < deadline, left
+        time.sleep(0.5)
+    assert kernel.alive()
+
+
+def test_a_run_started_in_the_background_stops_on_request_with_a_final_checkpoint(kernel, tmp_path):
+    run = tmp_path / "background"
+    said = kernel.run(f"training = plugrl_min.start({notebook_words(run, 10**9)!r}); print('in', training.run_dir)")
+    assert f"in {run}" in said, said[-3000:]
+    deadline = time.monotonic() + 60
+    while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text()):  # trains meanwhile
+        assert time.monotonic() < deadline, "no metrics line in 60 s"
+        time.sleep(0.2)
+    said = kernel.run("print('status', training.stop())")
+    assert "status 0" in said and plugrl_min.checkpoint_paths(run), said[-3000:]
+    assert read_metrics(run, event=None)[-1]["event"] == "end" and threads_and_children(kernel) == "[] []"
+
+
+def test_main_in_a_plain_script_returns_the_status_twice_and_gives_the_signals_back(tmp_path):
+    runs = [notebook_words(tmp_path / run, 4096) for run in "ab"]
+    script = "\n".join([f"import signal, sys; sys.path.insert(0, {HERE!r}); import plugrl_min",
+                        "before = signal.getsignal(signal.SIGINT)",
+                        f"for words in {runs!r}:",
+                        "    print('status', plugrl_min.main(words))",
+                        "print('Ctrl-C is the script', signal.getsignal(signal.SIGINT) is before)"])
+    result = python("-c", script, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("status 0") == 2 and "Ctrl-C is the script True" in result.stdout
+    assert all(plugrl_min.checkpoint_paths(tmp_path / run) for run in "ab")
+
+
+# =============================================================================================
+# The README's exercises, solved: each check run over seeds 1 to 3 with a reference solution
+# =============================================================================================
+# Commands and ranges are read from the exercises' own text, so README.md and the bench cannot drift:
+#   PLUGRL_BENCH=1 python -m pytest -q -n 0 test_plugrl_min.py -k bench_exercise -s
+# The solutions' modules are named plugrl_test_* so a student's my_dqn.py, my_chase.py ... cannot shadow them.
+
+def exercise_text(number: int) -> str:
+    """Item `number` of README.md's ## Exercises, its line breaks made spaces."""
+    text = readme()[readme().index("## Exercises"):]
+    text = text[:text.index("\n## ", 1)]
+    item = re.search(rf"^{number}\. (.*?)(?=^\d+\. |\Z)", text, re.M | re.S).group(1)
+    return re.sub(r"\s+", " ", item)
+
+
+def exercise_ranges(number: int) -> list[tuple[float, float]]:
+    """Every `X to Y` of the exercise's *Check:*, in order (numbers with thousands commas allowed)."""
+    check = exercise_text(number).split("*Check:*", 1)[1]
+    return [(float(low.replace(",", "")), float(high.replace(",", "")))
+            for low, high in re.findall(r"(-?[\d,]*\d(?:\.\d+)?) to (-?[\d,]*\d(?:\.\d+)?)", check)]
+
+
+def exercise_commands(number: int) -> list[list[str]]:
+    """The `python plugrl_min.py ...` code spans of the exercise, as argument lists (after plugrl_min.py)."""
+    return [span.split()[2:] for span in re.findall(r"`(python plugrl_min\.py [^`]*)`", exercise_text(number))]
+
+
+def filled(args: list[str], seed: int, tmp_path, modules: dict = {}) -> list[str]:
+    """A README command for one seed: S is the seed, runs/... a folder in tmp_path, plug-ins renamed."""
+    out = []
+    for arg in args:
+        arg = re.sub(r"(?<=-)S$|^S$", str(seed), arg)
+        if arg.startswith("runs/"):
+            arg = str(tmp_path / arg)
+        out.append(modules.get(arg, arg))
+    return out
+
+
+def curve_figures(run_dir, reach: float | None = None) -> dict:
+    """What `report RUN --reach R` says of a run: its step of first reaching R, the last and best figures."""
+    lines = plugrl_min.read_metrics(str(run_dir))
+    curve = plugrl_min.return_curve(lines)
+    figures = {"last": curve[-1][1], "best": max(mean for _, mean in curve), "steps": lines[-1]["step"],
+               "learns": lines[-1]["server/policy_version"],
+               "discarded": sum(line["server/discarded"] for line in lines),
+               "first": next(line["rollout/reward"] for line in lines if line["rollout/episodes"])}
+    if reach is not None:
+        figures["reach"] = next((step for step, mean in curve if mean >= reach), math.inf)
+    return figures
+
+
+def train(args: list[str], pythonpath=None, cwd_source=SOURCE, timeout=1200) -> subprocess.CompletedProcess:
+    done = python(cwd_source, *args, pythonpath=pythonpath, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return done
+
+
+def project_copy(tmp_path, name: str, edits: dict) -> pathlib.Path:
+    """A copy of the project in tmp_path/name with {file: [(old, new), ...]} applied, each old found once."""
+    project = tmp_path / name
+    project.mkdir()
+    for file in ("plugrl_min.py", "sac_example.py"):
+        source = pathlib.Path(HERE, file).read_text()
+        for old, new in edits.get(file, []):
+            assert source.count(old) == 1, f"the exercise's edit no longer fits {file}: {old!r}"
+            source = source.replace(old, new)
+        (project / file).write_text(source)
+    return project
+
+
+EXERCISE_STUCK = '''
+import dataclasses
+from plugrl_min import DummyAlgoConfig, DummyAlgorithm, register_algo, register_algo_config
+
+
+@register_algo_config("stuck")
+@dataclasses.dataclass
+class StuckConfig(DummyAlgoConfig):
+    pass
+
+
+@register_algo("stuck")
+class Stuck(DummyAlgorithm):
+    def learn_impl(self):  # frames_since_learn never reset: should_learn stays true
+        self.learns += 1
+        return self.global_step, {}
+'''
+
+EXERCISE_P_CONTROLLER = '''
+import numpy as np
+import plugrl_min
+from plugrl_min import Controller
+
+
+class PController(Controller):
+    """action = kp * (decision - x), clipped to [-1, 1]; dummy-v1's obs is [x, target, gap]."""
+
+    def __init__(self, kp: float):
+        self.kp = kp
+
+    def __call__(self, obs, decision, state):
+        return np.clip(self.kp * (decision[:, 0] - obs["state"][:, 0]), -1, 1)[:, None], state
+
+
+builtin = plugrl_min.make_controller
+
+
+def make_controller(name, env):  # --controller p5 (kp = 5), p2.5 ...
+    return PController(float(name[1:])) if name.startswith("p") else builtin(name, env)
+
+
+plugrl_min.make_controller = make_controller
+'''
+
+EXERCISE_CHASE = '''
+import numpy as np
+from plugrl_min import VecEnv, register_env
+
+
+@register_env("my-chase-v0")
+class MyChase(VecEnv):
+    obs_spec = {"state": ((3,), "float32")}
+    action_dim, max_steps = 1, 20
+
+    def __init__(self, num_envs, seed=None):
+        self.x, self.target, self.speed = np.zeros(num_envs), np.zeros(num_envs), np.zeros(num_envs)
+        super().__init__(num_envs, seed)
+
+    def _reset(self, rows):
+        self.x[rows] = self.rng.uniform(-1, 1, len(rows))
+        self.target[rows] = 0.0
+        self.speed[rows] = self.rng.uniform(-0.03, 0.03, len(rows))
+
+    def _step(self, action, rows):
+        self.x[rows] += 0.1 * np.clip(action[:, 0], -1, 1)
+        self.target[rows] += self.speed[rows]  # after the point
+        gap = np.abs(self.target[rows] - self.x[rows])
+        return -gap, gap < 0.05, gap < 0.05
+
+    def _observe(self):
+        state = np.stack([self.x, self.target, self.target - self.x], axis=1)
+        return {"state": state.astype(np.float32)}
+'''
+
+EXERCISE_DQN = '''# SPDX-License-Identifier: MIT
+"""my_dqn: exercise 9's reference solution, a Double DQN on categorical-policy, registered as `dqn`.
+
+The policy's MLP (CategoricalPolicy.logits, its raw output before torch's Categorical) is the
+Q-network; this file adds its target copy, a replay buffer and epsilon-greedy acting.
+    python plugrl_min.py categorical-policy cartpole dqn default --plugin my_dqn \
+        --local-env-clients 1 --local-num-envs 4 --local-env cartpole-v1 --seed 1 --run-dir runs/dqn-1
+"""
+
+import copy
+import dataclasses
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+import plugrl_min
+from plugrl_min import BaseAlgoConfig, BaseAlgorithm, Checkpoint, register_algo, register_algo_config
+
+UID = "dqn"
+
+
+@register_algo_config(UID)
+@dataclasses.dataclass
+class DQNConfig(BaseAlgoConfig):
+    """DQN's hyperparameters; every field is a flag (--algo.batch-size 64)."""
+
+    global_steps: int | None = 100_000  # frames stored, then the run ends
+    buffer_size: int = 100_000  # frames kept; the oldest is overwritten first
+    gamma: float = 0.99  # discount per decision
+    batch_size: int = 128  # frames per update
+    learning_starts: int = 1_000  # frames before the first update
+    train_frequency: int = 4  # frames per update after learning_starts
+    lr: float = 1e-3  # Adam's step size
+    target_network_frequency: int = 100  # updates between copies of the Q-network to its target
+    start_e: float = 1.0  # epsilon at step 0 ...
+    end_e: float = 0.05  # ... falling linearly to this ...
+    exploration_steps: int = 10_000  # ... over these many frames
+    save_every: int = 5_000  # updates between checkpoints
+    log_every: int = 100  # updates between train/* metrics
+
+
+class ReplayBuffer:
+    """A ring of (obs, action, reward, next_obs, done) frames."""
+
+    def __init__(self, capacity: int, obs_shape: tuple):
+        self.capacity, self.size, self.next = capacity, 0, 0
+        self.obs = np.zeros((capacity, *obs_shape), np.float32)
+        self.next_obs = np.zeros((capacity, *obs_shape), np.float32)
+        self.action = np.zeros(capacity, np.int64)
+        self.reward = np.zeros(capacity, np.float32)
+        self.done = np.zeros(capacity, np.float32)
+        self.tensors = [torch.from_numpy(a) for a in (self.obs, self.action, self.reward, self.next_obs, self.done)]
+
+    def add(self, obs, action: int, reward: float, next_obs, done: bool) -> None:
+        i = self.next
+        self.obs[i], self.action[i], self.reward[i], self.next_obs[i], self.done[i] = obs, action, reward, next_obs, done
+        self.next = (i + 1) % self.capacity
+        self.size = min(self.size + 1, self.capacity)
+
+    def sample(self, batch_size: int, device) -> list[torch.Tensor]:
+        rows = torch.randint(self.size, (batch_size,))
+        return [t.index_select(0, rows).to(device) for t in self.tensors]
+
+
+@register_algo(UID)
+class DQN(BaseAlgorithm):
+    """Off-policy Double DQN: every frame to the buffer, one update per train_frequency frames."""
+
+    on_policy = False  # a replay buffer: stale frames are fine
+    example_env = "cartpole-v1"
+
+    def __init__(self, config: DQNConfig, policy: plugrl_min.BaseTorchPolicy):
+        super().__init__(config=config, policy=policy)
+        self.updates = self.saved_at = 0
+        self.device = policy.device
+        self.q = policy.logits  # the raw MLP output: one Q-value per action (not log-probabilities)
+        self.q_target = copy.deepcopy(self.q).requires_grad_(False)
+        self.buffer = ReplayBuffer(config.buffer_size, tuple(policy.obs_spec["state"][0]))
+        self.last = {}
+        self.optimizer = None
+
+    def init_optimizers(self) -> None:
+        self.optimizer = torch.optim.Adam(self.q.parameters(), lr=self.config.lr)
+
+    def epsilon(self) -> float:
+        cfg = self.config
+        fraction = min(self.global_step / cfg.exploration_steps, 1.0)
+        return cfg.start_e + fraction * (cfg.end_e - cfg.start_e)
+
+    @torch.inference_mode()
+    def infer(self, obs: dict) -> tuple[np.ndarray, dict]:
+        """Epsilon-greedy on the Q-values."""
+        state = torch.from_numpy(obs["state"]).to(self.device)
+        greedy = self.q(state).argmax(dim=1).cpu()
+        n = len(greedy)
+        explore = torch.rand(n) < self.epsilon()
+        choice = torch.where(explore, torch.randint(self.policy.num_actions, (n,)), greedy)
+        action = choice.numpy().reshape(-1, 1, 1)
+        return action, {"action": action}
+
+    def derive_train_state(self, runtime_state: dict) -> dict:
+        return {"action": runtime_state["action"]}
+
+    def feedback(self, *, obs, runtime_state, train_state=None, terminated, truncated, next_obs,
+                 reward, info, next_terminated, next_truncated, prev_node):
+        self.record_finished_episode(info, next_terminated, next_truncated)
+        self.buffer.add(obs["state"], int(np.asarray(train_state["action"]).reshape(-1)[0]),
+                        float(np.sum(reward)), next_obs["state"], next_terminated)
+        self.global_step += 1
+        return prev_node, self.global_step, {}
+
+    def updates_due(self) -> int:
+        return max(self.global_step - self.config.learning_starts, 0) // self.config.train_frequency
+
+    def should_learn(self) -> bool:
+        return self.updates < self.updates_due()
+
+    def learn_impl(self) -> tuple[int, dict]:
+        logged = self.updates // self.config.log_every
+        while self.updates < self.updates_due():
+            self.updates += 1
+            if self.buffer.size >= self.config.batch_size:
+                self.update()
+        if self.updates // self.config.log_every == logged or not self.last:
+            return self.global_step, {}
+        return self.global_step, {f"train/{k}": v.item() for k, v in self.last.items()} | {"train/epsilon": self.epsilon()}
+
+    def update(self) -> None:
+        cfg = self.config
+        obs, action, reward, next_obs, done = self.buffer.sample(cfg.batch_size, self.device)
+        with torch.no_grad():  # Double DQN: the online network picks, the target evaluates
+            next_action = self.q(next_obs).argmax(dim=1, keepdim=True)
+            next_q = self.q_target(next_obs).gather(1, next_action).squeeze(1)
+            target = reward + cfg.gamma * (1 - done) * next_q
+        q = self.q(obs).gather(1, action.unsqueeze(1)).squeeze(1)
+        loss = F.smooth_l1_loss(q, target)  # Huber
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.last.update(td_loss=loss.detach(), q_values=q.detach().mean())
+        if self.updates % cfg.target_network_frequency == 0:
+            self.q_target.load_state_dict(self.q.state_dict())
+
+    def should_save(self) -> bool:
+        return self.updates - self.saved_at >= self.config.save_every
+
+    def create_checkpoint(self) -> Checkpoint:
+        self.saved_at = self.updates
+        meta = {"updates": self.updates, "saved_at": self.saved_at, "q_target": self.q_target.state_dict()}
+        return Checkpoint(step=self.global_step, model=self.policy.state_dict(),
+                          optimizer=self.optimizer.state_dict(), meta=meta)
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> None:
+        super().load_checkpoint(checkpoint)
+        self.updates, self.saved_at = int(checkpoint.meta["updates"]), int(checkpoint.meta["saved_at"])
+        self.q_target.load_state_dict(checkpoint.meta["q_target"])
+        if checkpoint.optimizer is not None:
+            self.optimizer.load_state_dict(checkpoint.optimizer)
+'''
+
+
+def stuck_run(args, seed, tmp_path, pythonpath):
+    """Exercise 2: start the stuck server, wait for its learns to climb, Ctrl-C; its run directory."""
+    args = filled(args, seed, tmp_path, {"my_algo": "plugrl_test_my_algo"})
+    run_dir = pathlib.Path(args[args.index("--run-dir") + 1])
+    with Background(tmp_path, f"stuck-{seed}", [SOURCE, *args], pythonpath=pythonpath) as server:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and server.proc.poll() is None:
+            learns = [int(n.replace(",", "")) for n in re.findall(r"\| ([\d,]+) learns", server.stdout())]
+            if learns and learns[-1] >= 20_000:
+                break
+            time.sleep(0.5)
+        server.proc.send_signal(signal.SIGINT)
+        assert server.wait(120) == 0, server.stdout()[-2000:] + server.stderr()[-2000:]
+    return run_dir
+
+
+def measure_exercise(number: int, seed: int, tmp_path) -> list:
+    """The figures of exercise `number`'s check for one seed, one per `X to Y` of its text (None: not a
+    figure of this seed's run, e.g. pg's own range quoted beside PPO's)."""
+    commands, sub = exercise_commands(number), tmp_path / f"ex{number}-seed{seed}"
+    sub.mkdir()
+    if number == 1:
+        done = train(filled(commands[0], seed, sub))
+        return [sum("stale" in line for line in done.stdout.splitlines())]
+    if number == 2:
+        write_plugin(sub, "plugrl_test_my_algo", EXERCISE_STUCK)
+        run_dir = stuck_run(next(c for c in commands if "stuck" in c), seed, sub, sub)
+        figures = curve_figures(run_dir)
+        assert figures["steps"] == 1000 and (run_dir / "checkpoints" / "step_000000001000.pt").exists()
+        return [figures["learns"]]
+    if number == 3:
+        project = project_copy(sub, "project", {"sac_example.py": [("    on_policy = False", "    on_policy = True")]})
+        args = filled(commands[0], seed, sub)
+        train(args, cwd_source=str(project / "plugrl_min.py"))
+        run_dir = args[args.index("--run-dir") + 1]
+        figures = curve_figures(run_dir)
+        shown = {what: int(count.replace(",", "")) for count, what in re.findall(r"`([\d,]+) (steps|learns)`",
+                                                                                 exercise_text(3))}
+        assert (figures["steps"], figures["learns"]) == (shown["steps"], shown["learns"]), figures
+        return [figures["discarded"]]
+    if number == 4:
+        server_args, client_args = (filled(c, seed, sub) for c in commands[:2])
+        server_args[server_args.index("--port") + 1] = "0"
+        rates = []
+        with Background(sub, "server", [SOURCE, *server_args]) as server:
+            port = server.port()
+            for envs in ("1", "64"):
+                args = list(client_args)
+                args[args.index("--num-envs") + 1] = envs
+                done = train([*args, "--server-port", str(port)])
+                rates.append(float(re.search(r"([\d.]+) env steps/s", done.stdout).group(1)))
+            server.proc.send_signal(signal.SIGINT)
+            server.wait(60)
+        return [rates[1] / rates[0]]
+    if number == 5:
+        write_plugin(sub, "plugrl_test_my_ctrl", EXERCISE_P_CONTROLLER)
+        server_args = filled(commands[0], seed, sub)
+        lines = {}
+        for controller in ("track", "p5"):
+            args = list(server_args) + ["--port", "0"]
+            args[args.index("--run-dir") + 1] += f"-{controller}"
+            with Background(sub, f"server-{controller}", [SOURCE, *args]) as server:
+                train(["env-client", "dummy-v1", "--closed-loop-steps", "4", "--seed", str(seed), "--num-episodes", "0",
+                       "--controller", controller, "--plugin", "plugrl_test_my_ctrl", "--server-port", str(server.port())],
+                      pythonpath=sub)
+                assert server.wait(120) == 0
+            report = python(SOURCE, "report", args[args.index("--run-dir") + 1])
+            lines[controller] = re.search(r"last 100\+ episodes .*?\| best [-\d.]+", report.stdout).group(0)
+        print(f"seed {seed}: track: {lines['track']} | p, kp = 5: {lines['p5']}")
+        assert lines["track"] == lines["p5"]
+        if seed == 1:
+            assert lines["track"] in exercise_text(5), f"the README quotes another line for seed 1: {lines['track']}"
+        return []
+    if number == 6:
+        write_plugin(sub, "plugrl_test_my_chase", EXERCISE_CHASE)
+        args = filled(commands[0], seed, sub, {"my_chase": "plugrl_test_my_chase"})
+        train(args, pythonpath=sub)
+        figures = curve_figures(args[args.index("--run-dir") + 1])
+        return [figures["first"], figures["last"], figures["best"]]
+    if number == 7:
+        reach = float(re.search(r"--reach (\d+)", exercise_text(7)).group(1))
+        reached, last = [], []
+        for frames in ("512", "1024", "4096"):
+            args = [arg.replace("F", frames) if arg in ("F",) or arg.startswith("runs/") else arg
+                    for arg in commands[0]]
+            args = filled(args, seed, sub)
+            train(args)
+            figures = curve_figures(args[args.index("--run-dir") + 1], reach)
+            reached.append(figures["reach"])
+            last.append(figures["last"])
+        return reached + last
+    if number == 8:
+        project = project_copy(sub, "project", {"plugrl_min.py": EXERCISE_8_EDIT})
+        args = filled(commands[0], seed, sub)
+        train(args, cwd_source=str(project / "plugrl_min.py"))
+        figures = curve_figures(args[args.index("--run-dir") + 1], 195)
+        return [figures["reach"], None, figures["last"]]  # the middle range is plain pg's (exercise 7)
+    if number == 9:
+        write_plugin(sub, "plugrl_test_my_dqn", EXERCISE_DQN)
+        args = filled(commands[0], seed, sub, {"my_dqn": "plugrl_test_my_dqn"})
+        train(args, pythonpath=sub)
+        figures = curve_figures(args[args.index("--run-dir") + 1], 195)
+        return [figures["reach"], figures["last"]]
+    raise ValueError(number)
+
+
+@bench
+@pytest.mark.parametrize("number", range(1, 10))
+def test_bench_exercise_checks_hold_over_seeds_1_to_3(tmp_path, number):
+    ranges = exercise_ranges(number)
+    rows = [measure_exercise(number, seed, tmp_path) for seed in (1, 2, 3)]
+    print(f"\nexercise {number}: {exercise_text(number)[:60]}...")
+    off = []
+    for i, (low, high) in enumerate(ranges):
+        low, high = min(low, high), max(low, high)  # "-8 to -11" reads either way
+        figures = [row[i] for row in rows if len(row) > i and row[i] is not None]
+        if not figures:
+            continue
+        print(f"  range {i + 1}: seeds 1 to 3 measured {', '.join(f'{f:,.2f}' for f in figures)} "
+              f"-> {min(figures):,.2f} to {max(figures):,.2f} (README: {low:,g} to {high:,g})")
+        off += [f"range {i + 1}: {figure:,.2f} outside {low:,g} to {high:,g}" for figure in figures
+                if not low <= figure <= high]
+    if number == 4:  # a timing: the README gives a floor
+        floor = float(re.search(r"at least (\d+)x", exercise_text(4)).group(1))
+        print(f"  ratios {', '.join(f'{row[0]:.1f}' for row in rows)}, floor {floor:g}x")
+        off = [f"{row[0]:.1f}x below {floor:g}x" for row in rows if row[0] < floor]
+    assert not off, f"exercise {number}: " + "; ".join(off)
+
+
+def seen_by_the_server(words, monkeypatch) -> dict:
+    """A README server command run up to its serving (Server.run replaced): what the run would use."""
+    seen = {}
+
+    async def run(self, host, port, on_listening=None):
+        seen.update(global_steps=self.algo.config.global_steps, seed=torch.initial_seed(), port=port)
+        return 0
+
+    monkeypatch.setattr(plugrl_min.Server, "run", run)
+    status, _, err = run_main(*words)
+    assert status == 0, err
+    return seen
+
+
+def test_exercise_4s_server_command_as_written_outlasts_both_clients(monkeypatch, tmp_path):
+    server, client = exercise_commands(4)[:2]
+    assert seen_by_the_server(server, monkeypatch)["global_steps"] >= 10**9  # not dummy's 10,000 steps
+    assert "--num-episodes" in client and "--seed" in client
+
+
+def test_exercise_9s_command_as_written_parses_with_its_seed(tmp_path, plugins_in_process, monkeypatch):
+    write_plugin(tmp_path, "plugrl_test_my_dqn", EXERCISE_DQN)
+    words = filled(exercise_commands(9)[0], 3, tmp_path, {"my_dqn": "plugrl_test_my_dqn"})
+    seen = seen_by_the_server(words, monkeypatch)
+    assert seen["seed"] == 3 and seen["global_steps"] == 100_000
+    assert "gamma 0.99" in exercise_text(9) and 'policy.logits(obs["state"])' in exercise_text(9)
