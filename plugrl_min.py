@@ -2692,7 +2692,11 @@ class Serving:
         self.thread = threading.Thread(target=self.serve, args=(host, port, claimed),
                                        name="plugrl-server", daemon=True)
         self.thread.start()
-        self.started.wait()
+        try:
+            self.started.wait()
+        except KeyboardInterrupt:  # in the start: the run stops at its loop's first pass
+            self.server.stop_requested = True
+            self.started.wait()
 
     @property
     def run_dir(self) -> str:
@@ -2753,7 +2757,10 @@ def start(argv: list[str]) -> Serving:
     and flags as the command line. Its run_dir is claimed on return; stop() ends it."""
     plugins, argv = import_plugins(list(argv))
     import_sac_example()
-    serving = server_main(argv, plugins, background=True)
+    try:
+        serving = server_main(argv, plugins, background=True)
+    except SystemExit as stop:  # a usage error: its line is printed already
+        serving = stop.code
     if not isinstance(serving, Serving):
         raise RuntimeError(f"the run did not start (exit status {serving}; see above)")
     return serving

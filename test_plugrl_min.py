@@ -7749,3 +7749,9 @@ def test_exercise_9s_command_as_written_parses_with_its_seed(tmp_path, plugins_i
     seen = seen_by_the_server(words, monkeypatch)
     assert seen["seed"] == 3 and seen["global_steps"] == 100_000
     assert "gamma 0.99" in exercise_text(9) and 'policy.logits(obs["state"])' in exercise_text(9)
+
+
+def test_start_with_a_usage_error_raises_and_names_the_status_after_the_one_line_error(capsys):
+    with pytest.raises(RuntimeError, match=r"exit status 2"):
+        plugrl_min.start(["dummy-policy", "default", "no-such-algo", "default"])
+    assert "error: unknown algorithm 'no-such-algo'" in capsys.readouterr().err
