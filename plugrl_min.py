@@ -1668,9 +1668,10 @@ class LearnThreads:
         slower = cost > 1.5 * self.cost.get(threads, math.inf)
         self.cost[threads] = cost
         if len(self.counts) > 1 and (slower or self.learning >= self.try_at):
-            self.trying = next(count for count in self.counts if count != self.current)
-            if self.trying > self.current and not self.cores_idle():
-                self.trying = None  # the cores are taken: a try would only slow every process
+            other = next(count for count in self.counts if count != self.current)
+            if other < self.current or self.cores_idle():
+                self.trying = other
+            else:  # the cores are taken: a try of all threads would only slow every process
                 self.after_try(won=False)
         return self.warning(cost)
 
@@ -2733,18 +2734,14 @@ class Serving:
 
     def wait(self) -> int:
         """Until the run ends: its exit status, as the command line would give it."""
-        interrupted_at = None
         while not self.done.is_set():
             try:
                 time.sleep(0.05)  # not thread.join: interrupted, it can think the thread ended
             except KeyboardInterrupt:  # the kernel's Interrupt, or Ctrl-C in a REPL
-                now = time.monotonic()
-                if interrupted_at is None:
-                    interrupted_at = now
-                    print("\nstopping: a final checkpoint once the learn in progress (if any) "
-                          "ends; Interrupt again quits without one", file=sys.stderr, flush=True)
-                    self.ask(self.server.request_stop)
-                elif now - interrupted_at >= 1.0 and self.task is not None:
+                first = self.server.signalled_at
+                if first is None or time.monotonic() - first < 1.0:
+                    self.server.on_signal()  # the first, as Ctrl-C (its copies: the same one)
+                elif self.task is not None:  # not on_signal's os._exit: it would end the kernel
                     print("\nstopped again: stopping now, without a final checkpoint",
                           file=sys.stderr, flush=True)
                     self.ask(self.task.cancel)
