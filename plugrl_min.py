@@ -6,44 +6,42 @@ and the algorithm: it batches inference, routes every frame to `feedback` or `di
 learns, checkpoints and resumes. Every name, hook and rule of the PlugRL "Custom Algorithm" page
 holds here, with `plugrl_min` as the import path instead of `plugrl_server.*`.
 
-Sections, in file order: 1. Wire format, 2. State types, 3. Registries, 4. Policies,
-5. Algorithms, 6. Server, 7. Environment client, 8. Command line.
+The first reading is the top of this file, down to the line "first reading ends". It follows
+one frame as it travels:
+  1. out of the client: run_episodes sends an observation in an infer message;
+  2. through the server: the in-flight data, then Server: run and its tasks; handle_client and
+     accept (the frame comes in); control_loop and infer_waiting (its action comes from infer);
+     route_feedback (feedback or discard_feedback, and why); learn_once (when learn runs, on
+     which thread, and why serving pauses); save and request_stop;
+  3. to disk, and to the end: save_checkpoint; serve and on_signal (what SIGINT and SIGTERM do);
+  4-6. what it carries and where it lands: the state types and Checkpoint, BaseTorchPolicy's
+     contract, BaseAlgorithm (every hook) and DummyAlgorithm, the smallest algorithm.
+The second reading, in any order: PG (the first learner, a DDPAlgorithm), the wire format, rows
+of nested arrays, the registries, the built-in policies, the run's record, the input checks,
+the rest of the env client, and the command line in named steps.
 
-The first reading (under 700 lines; README.md's map gives them) follows one frame as it travels:
-  - out of the client: its loop, run_episodes (7), sends an observation in an infer message;
-  - through the server (6): the in-flight data; Server.run and its tasks; handle_client and
-    accept (the frame comes in); control_loop and infer_waiting (its action comes from infer);
-    route_feedback (feedback or discard_feedback, and why); learn_once (when learn runs, on
-    which thread, and why serving pauses); request_stop and on_signal (SIGTERM: control_loop
-    then writes the final checkpoint and run tells every client);
-  - what it carries: the state types and Checkpoint (2), and BaseTorchPolicy's contract (4);
-  - into the algorithm (5): BaseAlgorithm (the hooks), DummyAlgorithm, and PG, read as a learner
-    of one process (a second reading adds GAE, its checkpoint and what several ranks add).
-A second reading adds the rest, as README.md's map lists it.
+Optional features are one block each, under a banner "# ===== [NAME] ...": ranks, learn-threads,
+trace, timeout, token, tensorboard, report, notebook, pendulum, cartpole, gym. Each line
+elsewhere that belongs to one carries a comment that begins "# [NAME]". Delete a block and its
+lines, and the rest still serves, learns and saves.
 """
 
+from __future__ import annotations  # an annotation may name a class defined further down
+
+# The core's imports. Each later section imports what only it uses, at its top: a copy that
+# cuts a section cuts its imports with it.
 import abc
-import argparse
 import asyncio
-import atexit
 import concurrent.futures
 import contextlib
 import dataclasses
-import datetime
-import glob
-import hmac
-import importlib.util  # binds importlib too: import_module is used as well
-import inspect
+import functools
 import io
 import itertools
 import json
 import math
 import os
-import re
 import signal
-import socket
-import struct
-import subprocess
 import sys
 import threading
 import time
@@ -55,168 +53,451 @@ if sys.version_info < (3, 10):
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import websockets
 
 if int(websockets.__version__.split(".")[0]) < 15:  # older ones lack the API below, or its flags
     sys.exit(f"error: plugrl_min needs websockets 15 or newer; this Python has "
              f"{websockets.__version__}: pip install -r requirements.txt")
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from websockets.asyncio.client import connect
 from websockets.asyncio.server import serve as websockets_serve
 
 PROTOCOL_VERSION = 1
-TORCH_THREADS = torch.get_num_threads()  # torch's own count, before the server sets its own
-
-
-# ===== 1. Wire format: one binary WebSocket frame per message, a JSON header, raw array bytes =====
-# PlugRL page: the transport under infer() and feedback(). Nothing is ever unpickled.
-# A frame: [header length: uint32, little-endian][JSON header][array 0 bytes][array 1 bytes]...
-# The header is {"message": the message with each array replaced by {"__array__": i},
-#                "arrays": [[dtype, shape], ...]}. Array bytes: C order, little-endian, no padding.
-_HEADER_LENGTH = struct.Struct("<I")
-_MAX_DEPTH = 64  # a message needs a handful of levels; deeper is refused both ways
 MAX_MESSAGE_BYTES = 16 * 2**20  # a larger frame closes its connection (--max-message-bytes)
-# A header spells a dtype as numpy's dtype.str ("<f4", what pack writes) or by name ("float32").
-_DTYPE_NAMES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-                "float16", "float32", "float64")
-_ALLOWED_DTYPES = {spelling: np.dtype(name)
-                   for name in _DTYPE_NAMES for spelling in (np.dtype(name).str, name)}
-_SPELLINGS = ", ".join(f"{np.dtype(name).str} or {name}" for name in _DTYPE_NAMES)
-_WIRE_DTYPES = {np.dtype(name): np.dtype(name).str for name in _DTYPE_NAMES}  # plain: dtype.str
 
 
-def _reject_constant(name):
-    raise ValueError(f"{name} is not JSON")  # Python's json reads NaN and Infinity by default
+# ===== 1. The env client's loop: an observation out, an action back, feedback out =====
+# PlugRL page: the client of its smoke test (plugrl-run-env-client dummy-v1). Its environments,
+# the executors of a decision and the connection are the second reading's (section 14).
+
+async def run_episodes(ws, executor, num_episodes: int, tally: dict) -> None:
+    """The client's loop: infer, execute the decision, send feedback, reset what finished."""
+    closed_loop = isinstance(executor, ClosedLoopMultiAction)
+    check_metadata(unpack_message(await ws.recv()), executor, closed_loop)
+    env_indices = np.arange(executor.env.num_envs, dtype=np.int64)
+    while num_episodes == 0 or len(tally["returns"]) < num_episodes:  # 0: until the run ends
+        infer = {"message_type": "infer", "env_indices": env_indices, "obs": executor.obs}
+        await ws.send(pack_message(infer))
+        reply = unpack_message(await ws.recv())
+        if reply.get("message_type") == "error":
+            raise SystemExit(f"the server refused a message: {reply['message']} "
+                             f"(hint: {reply['hint']})")
+        action = reply["action"]  # [n, H, action_dim]
+        if closed_loop:
+            action = action[:, 0]  # one decision [n, decision_dim]
+        obs, reward, terminated, truncated, info = executor.step(action)
+        episode = info["episode"]
+        tally["returns"] += episode["r"][episode["mask"]].tolist()
+        tally["env_steps"] += int(info["executed_steps"].sum())  # the client's count, not sent
+        tally["decisions"] += len(env_indices)
+        feedback = {"message_type": "feedback", "env_indices": env_indices, "obs": obs,
+                    "reward": reward, "terminated": terminated, "truncated": truncated,
+                    "info": {"episode": episode} if episode["mask"].any() else {}}
+        await ws.send(pack_message(feedback))
+        # The feedback carried the observation the episode ended on; the reset gives the next
+        # infer the observation the new episode starts from.
+        done = terminated | truncated
+        if done.any():
+            executor.reset(np.flatnonzero(done))
 
 
-# Made once; the plain forms, json.dumps and json.loads, build one per message.
-_HEADER_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False, check_circular=False)
-_HEADER_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+# ===== 2. The server: one control task between the clients and the algorithm =====
+# PlugRL page: "Server contract" and "What the loop implies for the hooks". First what a frame
+# leaves on the server while it is in flight, then Server's core, in the order a frame meets it.
+
+RUN_FINISHED = "run finished"  # the close reason that tells a client the run is over (exit 0)
+SERVER_FAILED = "server failed"  # the close reason's prefix when an algorithm hook raised
+NO_NODE = (-1, "")  # prev_node when there is no stored frame of this environment to link to
 
 
-class ProtocolError(ValueError):
-    """A message that breaks the wire format or the protocol; `hint` tells the sender what to do."""
+@dataclasses.dataclass(eq=False)
+class InferBatch:
+    """One infer() call, kept until every environment in it has sent its feedback."""
 
-    def __init__(self, message, hint="see 'The wire protocol' in README.md"):
-        super().__init__(message)
-        self.hint = hint
-
-
-def _rebuild(container, depth: int, arrays: list, specs: list | None):
-    # A copy of a dict or list (a tuple becomes a list), by one walker for both ends. Packing
-    # (specs given): {"__array__": i} in place of each array, which joins arrays, its (dtype,
-    # shape) joining specs. Unpacking: arrays[i] in place of each {"__array__": i} (checked).
-    packing = specs is not None
-    if depth > _MAX_DEPTH:
-        raise ProtocolError(f"the {'message' if packing else 'header'} nests deeper than "
-                            f"{_MAX_DEPTH} levels" + " (or in itself)" * packing)
-    if packing and isinstance(container, dict) and "__array__" in container:
-        raise ProtocolError("the key '__array__' is reserved by the wire format")
-    copy, items = ((dict(container), container.items()) if isinstance(container, dict)
-                   else (list(container), enumerate(container)))
-    for key, value in items:  # one call per container; the plain form calls once per value
-        if packing and isinstance(value, (np.ndarray, np.generic)):
-            array = np.asarray(value, order="C")  # unlike ascontiguousarray, keeps 0-d as 0-d
-            dtype = _WIRE_DTYPES.get(array.dtype)
-            if dtype is None:
-                raise ProtocolError(f"cannot send dtype {array.dtype}: only bool, int, uint "
-                                    "and float arrays, little-endian")
-            copy[key] = {"__array__": len(arrays)}
-            arrays.append(array)
-            specs.append((dtype, array.shape))
-        elif not packing and isinstance(value, dict) and "__array__" in value:
-            index = value["__array__"]
-            if type(index) is not int or not 0 <= index < len(arrays) or len(value) != 1:
-                raise ProtocolError(f"bad array reference {str(value)[:80]}")
-            copy[key] = arrays[index]
-        elif isinstance(value, (dict, list, tuple)):
-            copy[key] = _rebuild(value, depth + 1, arrays, specs)
-    return copy  # any other value is json's to write, or to refuse
+    version: int  # the policy version that acted: learns so far
+    action: np.ndarray  # [n, action_horizon, action_dim]
+    obs: list  # [n] the observation each action was chosen for, {key: array}
+    runtime_state: list  # [n] each environment's row of the runtime state
+    train_state: list  # [n] each environment's row of derive_train_state(runtime_state)
 
 
-def pack_message(message: dict) -> bytes:
-    """Encode a dict of JSON values and numpy arrays, nested, as one binary frame."""
-    arrays, specs = [], []  # the arrays in frame order, and their (dtype, shape) for the header
+@dataclasses.dataclass(eq=False)
+class StepState:
+    """An environment's step state: the infer batch and row of the action it executes."""
 
-    body = {"message": _rebuild(message, 1, arrays, specs), "arrays": specs}
+    batch: InferBatch
+    row: int
+
+
+@dataclasses.dataclass(eq=False)
+class EnvSlot:
+    """What the server keeps for one environment of one connection."""
+
+    waiting: bool = False  # its infer is queued; its action not sent yet
+    step: StepState | None = None  # the action it was given and owes feedback for
+    terminated: bool = False  # how its previous frame ended: feedback(terminated=, truncated=)
+    truncated: bool = False
+    prev_node: tuple = NO_NODE  # what feedback returned for its previous stored frame
+
+
+@dataclasses.dataclass(eq=False)
+class Connection:
+    """One env client: its WebSocket and its environments, by the client's own env_indices."""
+
+    ws: typing.Any
+    number: int  # for the trace: connections in the order they came
+    slots: dict = dataclasses.field(default_factory=dict)  # env index -> EnvSlot
+    heard_at: float = 0.0  # [timeout] its last feedback, or the last action sent to it
+
+
+@dataclasses.dataclass(eq=False)
+class InferRequest:
+    """A checked infer message, queued until the control loop answers it."""
+
+    conn: Connection
+    env_indices: np.ndarray  # int64 [n]
+    obs: dict  # {key: [n, ...]}
+
+
+@dataclasses.dataclass(eq=False)
+class Frame:
+    """One environment's frame: its step state (what it was given) and what its feedback says."""
+
+    env_index: int  # the client's own name for the environment
+    slot: EnvSlot
+    step: StepState  # taken from the slot when the message arrived: observation, action, states
+    next_obs: dict  # the observation after the decision, {key: array}
+    reward: typing.Any  # a float (with 'stack': a [k] array, one reward per physical step)
+    next_terminated: bool  # how the decision ended (the slot holds how the previous one did)
+    next_truncated: bool
+    info: dict  # e.g. {"episode": {...}} (every frame of the message has it if one finished)
+
+
+@dataclasses.dataclass(eq=False)
+class FeedbackMessage:
+    """A checked feedback message: its frames, one per environment, in the message's order."""
+
+    conn: Connection
+    frames: list  # [m] Frame
+
+
+class Server:
+    """One run: the algorithm behind a WebSocket endpoint, writing to its run directory. Each
+    connection's task only checks and queues messages. One control task talks to the algorithm,
+    so no two hooks ever run at once (learn runs in a worker thread, alone)."""
+
+    def __init__(self, algo: BaseAlgorithm, run_dir: str, names: tuple[str, str], *,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, max_envs_per_client: int = 4096,
+                 feedback_timeout: float = 60.0,  # [timeout]
+                 token: str | None = None,  # [token]
+                 learn_threads: int | None = None,  # [learn-threads]
+                 trace: int = 0,  # [trace]
+                 ranks: Ranks | None = None,  # [ranks]
+                 global_step: int = 0, policy_version: int = 0, log_every: int = 1000):
+        self.algo, self.run_dir = algo, run_dir
+        self.max_message_bytes = max_message_bytes
+        self.max_envs = max_envs_per_client  # one client must not hold the loop for everyone
+        self.feedback_timeout = feedback_timeout  # [timeout]
+        self.token = token  # [token]
+        self.threads = LearnThreads(learn_threads, TORCH_THREADS)  # [learn-threads]
+        self.trace_left = trace  # [trace] frames still to narrate
+        self.ranks = ranks  # [ranks] the other ranks of a torch.distributed launch
+        self.global_step = global_step
+        self.version = policy_version  # learns so far (a resumed run continues the count)
+        policy = algo.policy
+        self.obs_spec = obs_spec_of(policy.obs_spec)
+        self.action_shape = (policy.action_horizon, policy.action_dim)
+        self.action_dtype = np.float32 if policy.num_actions is None else np.int64
+        self.metadata = metadata_of(policy, names)  # the first message of every connection
+        self.connections = set()  # the open ones; a closed or rejected one leaves at once
+        self.connection_numbers = itertools.count(1)  # Connection.number: in the order they came
+        self.inbox, self.waiting = [], []  # checked messages, in arrival order; waiting infers
+        self.wake = asyncio.Event()  # set by every message, and twice a second by tick()
+        self.stop_requested, self.status = False, 0  # status 1: a local env client failed
+        self.signalled_at = None  # when the first SIGINT or SIGTERM came (on_signal)
+        self.loop = None  # run()'s event loop, for a signal handler to wake
+        self.ended = None  # run()'s status, once it has returned
+        self.saved = []  # the checkpoints this run wrote, oldest first: pruning deletes no other
+        self.learning_seconds = 0.0  # in learns so far: the serving clock stands still in them
+        self.frames = self.discarded = 0  # routed since the start, and of those discarded
+        self.local_clients = []  # (number, process, log path) of the --local-env-clients
+        self.record = RunRecord(log_every, policy_version)  # metrics.jsonl, progress
+        # Every learn() runs in this one OS thread (torch's thread count is per OS thread); the
+        # event loop's thread infers with one, the fastest for small batches.
+        self.learn_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="learn")
+
+    async def run(self, host: str, port: int, on_listening=None) -> int:
+        """Serve until should_stop() or a signal (status 0), or a local client or hook fails (1).
+        Tasks: handle_client per connection, this one's control_loop, and tick().
+        on_listening(port) runs once the port is taken, before anything is written."""
+        self.loop = asyncio.get_running_loop()
+        with naming(f"cannot listen on {host}:{port}"):  # the bind alone: the port is taken...
+            server = await websockets_serve(
+                self.handle_client, host, port, compression=None,
+                ping_interval=self.feedback_timeout,  # [timeout] keeps an idle connection open
+                process_request=token_check(self.token),  # [token] HTTP 401 without it
+                max_size=self.max_message_bytes, ping_timeout=None)  # a late pong closes none
+        async with server:
+            open_run(self, server.sockets, on_listening)
+            ticker = asyncio.create_task(tick(self.wake))
+            try:
+                await self.control_loop()
+                code, reason, status = 1000, RUN_FINISHED, self.status
+            except Exception as error:  # a hook raised: no checkpoint is written after it
+                print_failure(error)
+                code, reason, status = 1011, f"{SERVER_FAILED}: {type(error).__name__}", 1
+            ticker.cancel()
+            # Stop accepting first, then close every open connection with the reason, the
+            # newest too; a handshake still in progress is refused (HTTP 503).
+            server.close(code=code, reason=reason)
+            await server.wait_closed()
+        self.ended = finish_run(self, code, reason, status)
+        return self.ended
+
+    async def handle_client(self, ws) -> None:
+        """Send the metadata, then check and queue every message; a bad one closes this one."""
+        conn = Connection(ws, next(self.connection_numbers))
+        self.connections.add(conn)
+        try:
+            await ws.send(pack_message(self.metadata))
+            async for frame in ws:
+                try:
+                    self.inbox.append(self.accept(conn, unpack_message(frame)))
+                except Exception as error:  # whatever a client sends costs only its connection
+                    await reject(self, conn, error)
+                    return
+                self.wake.set()
+        except websockets.ConnectionClosed:
+            pass
+        finally:
+            # Its queued infers are skipped; its feedback already queued was whole, and counts.
+            self.connections.discard(conn)
+
+    def accept(self, conn: Connection, message: dict) -> InferRequest | FeedbackMessage:
+        """Check a message, queue it, and move its environments on. A feedback takes each
+        environment's step state out of its slot now: the environment may infer again at once."""
+        kind, env_ids = check_message(message, self.obs_spec)
+        if kind == "infer":
+            check_env_cap(conn, env_ids, self.max_envs)  # one client must not hold the loop
+            # The plain form, conn.slots.setdefault(i, EnvSlot()), builds a slot at every call.
+            slots = [conn.slots.get(i) or conn.slots.setdefault(i, EnvSlot()) for i in env_ids]
+            for i, slot in zip(env_ids, slots):
+                if slot.waiting or slot.step is not None:
+                    owes = "waits for its last action" if slot.waiting else "owes feedback"
+                    raise ProtocolError(f"infer: environment {i} {owes}",
+                                        "send feedback after every action, then infer")
+                slot.waiting = True
+            return InferRequest(conn, message["env_indices"], message["obs"])
+        slots = [conn.slots.get(i) for i in env_ids]
+        steps = [slot and slot.step for slot in slots]
+        if None in steps:
+            raise ProtocolError("feedback: an environment in env_indices has no action to "
+                                "answer", "send feedback only for environments given an action")
+        for slot in slots:
+            slot.step = None
+        conn.heard_at = serving_clock(self)  # [timeout]
+        m = len(slots)
+        rows = zip(env_ids, slots, steps, split_rows(message["obs"], m),
+                   split_rows(message["reward"], m),  # floats, or [k] rows
+                   message["terminated"].tolist(), message["truncated"].tolist(),
+                   split_rows(message.get("info", {}), m))
+        return FeedbackMessage(conn, [Frame(*row) for row in rows])
+
+    async def control_loop(self) -> None:
+        """Route feedback; learn while should_learn(); save; stop; answer the waiting infers."""
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            for item in self.inbox:  # no await in this loop: no message can arrive during it
+                if isinstance(item, FeedbackMessage):
+                    self.route_feedback(item)
+                else:
+                    self.waiting.append(item)
+            self.inbox = []
+            # No inference while should_learn() is true: learn() runs in another thread and
+            # changes the weights infer() reads, and an action drawn now would come from a policy
+            # about to be replaced (an on-policy learner would only discard its frame). If
+            # should_learn() stays true, learn again: the page's symptom when it never turns false.
+            while self.algo.should_learn() and not self.stop_requested:
+                await self.learn_once()
+            stop = self.stop_requested or self.algo.should_stop()
+            if self.frames and (stop or self.algo.should_save()):  # none for a run of no frame
+                self.save()  # create_checkpoint(), and the server's counters beside, to disk
+            if stop:
+                return
+            await self.infer_waiting()
+            watch_local_clients(self)
+            drop_silent_clients(self)  # [timeout]
+            self.record.show_progress(self)
+
+    async def infer_waiting(self) -> None:
+        """One infer() for every waiting client: concatenate, infer, derive, split, send."""
+        requests = [request for request in self.waiting if request.conn in self.connections]
+        self.waiting = []
+        if not requests:
+            return
+        obs = {key: np.concatenate([request.obs[key] for request in requests])
+               for key in self.obs_spec}
+        n = sum(len(request.env_indices) for request in requests)
+        action, runtime_state = self.algo.infer(obs)
+        action = np.asarray(action, self.action_dtype)  # as the wire sends it
+        if action.shape != (n, *self.action_shape):  # the algorithm's own bug: the run fails
+            raise RuntimeError(f"infer returned actions {list(action.shape)}, expected "
+                               f"{[n, *self.action_shape]}")
+        train_state = self.algo.derive_train_state(runtime_state)
+        # Each environment's rows, cut once for the whole batch (views, not copies; a 1-d
+        # field's row is a Python number).
+        batch = InferBatch(self.version, action, split_rows(obs, n), split_rows(runtime_state, n),
+                           split_rows(train_state, n))
+        self.record.count_batch(n)  # for server/mean_batch_size
+        now = serving_clock(self)  # [timeout]
+        row = 0
+        for request in requests:
+            first = row
+            for i in request.env_indices.tolist():
+                slot = request.conn.slots[i]
+                slot.waiting = False
+                slot.step = StepState(batch, row)
+                row += 1
+            request.conn.heard_at = now  # [timeout]
+            reply = {"message_type": "action", "env_indices": request.env_indices,
+                     "action": action[first:row]}
+            with contextlib.suppress(websockets.ConnectionClosed):
+                await request.conn.ws.send(pack_message(reply))
+
+    def route_feedback(self, message: FeedbackMessage) -> None:
+        """The routing rule: feedback() for frames the algorithm stores, discard_feedback() else."""
+        for frame in message.frames:
+            slot = frame.slot
+            step = frame.step
+            # An on-policy gradient averages over actions of the policy being improved. A frame
+            # whose action came from an older version (stale), or one that arrives once a learn
+            # is due (its batch is full), would bias it: discard_feedback only counts its episode.
+            stale = step.batch.version != self.version
+            discard = self.algo.on_policy and (stale or self.algo.should_learn())
+            if discard:
+                self.algo.discard_feedback(info=frame.info, next_terminated=frame.next_terminated,
+                                           next_truncated=frame.next_truncated)
+                node = NO_NODE  # the chain of this environment's stored frames is broken
+                self.discarded += 1
+            else:
+                # terminated/truncated: how the slot's previous frame ended; next_*: this one.
+                batch = step.batch
+                node, self.global_step, log = self.algo.feedback(
+                    obs=batch.obs[step.row], runtime_state=batch.runtime_state[step.row],
+                    train_state=batch.train_state[step.row], terminated=slot.terminated,
+                    truncated=slot.truncated, next_obs=frame.next_obs, reward=frame.reward,
+                    info=frame.info, next_terminated=frame.next_terminated,
+                    next_truncated=frame.next_truncated, prev_node=slot.prev_node)
+                if log:
+                    self.record.add(log)
+            if self.trace_left > 0:  # [trace] --trace N: the first N frames
+                trace_frame(self, message.conn, frame, node, discard, stale)  # [trace]
+            slot.prev_node = node
+            slot.terminated = frame.next_terminated
+            slot.truncated = frame.next_truncated
+        self.frames += len(message.frames)
+
+    async def learn_once(self) -> None:
+        """pre_learn, learn() in the learn thread, post_learn; messages queue, none is answered."""
+        started = time.monotonic()
+        learn = self.algo.learn
+        if self.ranks is not None:  # [ranks] every rank learns rank 0's data, in step
+            learn = self.ranks.in_step(learn, self.algo.get_server_data())  # [ranks]
+        learn = self.threads.timed(learn, self.frames)  # [learn-threads] 1 torch thread or all
+        self.algo.pre_learn()
+        self.global_step, log = await self.loop.run_in_executor(self.learn_executor, learn)
+        self.algo.post_learn()
+        seconds = time.monotonic() - started
+        self.learning_seconds += seconds  # the serving clock stood still
+        self.version += 1
+        trace_learn(self)  # [trace]
+        self.record.learned(self, {**log, "server/learn_seconds": seconds})
+
+    def save(self) -> None:
+        """A checkpoint; then this run's own older ones are pruned (the newest three stay)."""
+        counters = {"global_step": self.global_step, "policy_version": self.version}
+        path = save_checkpoint(self.run_dir, self.algo.create_checkpoint(), counters)
+        self.saved = [old for old in self.saved if old != path] + [path]
+        for old in self.saved[:-3]:
+            os.remove(old)
+        self.saved = self.saved[-3:]
+
+    def request_stop(self) -> None:
+        """Stop after the learn in progress: a final checkpoint, the clients told."""
+        self.stop_requested = True
+        self.wake.set()
+
+
+# ===== 3. A checkpoint on disk, and what SIGINT and SIGTERM do =====
+# PlugRL page: "should_save() and should_stop() are checked on every pass" (control_loop saves);
+# here, what a save writes, and how a signal becomes should_stop's clean path.
+
+def save_checkpoint(run_dir: str, checkpoint: Checkpoint, server_counters: dict) -> str:
+    """Write a checkpoint to a temporary file, then rename it: a crash never damages the last."""
+    folder = os.path.join(run_dir, "checkpoints")
+    with naming(f"cannot make {folder}"):
+        os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"step_{checkpoint.step:012d}.pt")
+    payload = {**vars(checkpoint), "server": server_counters}  # asdict would copy every tensor
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    buffer.seek(0)
+    try:  # a checkpoint that cannot be resumed from must fail the run now, not at --resume
+        torch.load(buffer, weights_only=True)
+    except Exception as error:
+        raise TypeError("create_checkpoint returned a value that torch.load(weights_only=True) "
+                        "refuses: keep tensors and plain Python values (numpy scalars and "
+                        "arrays are the usual culprits)") from error
+    temporary = f"{path}.{os.getpid()}.tmp"  # no other process writes this name
+    with naming(f"cannot write the checkpoint {path}"), open(temporary, "wb") as file:
+        file.write(buffer.getbuffer())
+        file.flush()
+        os.fsync(file.fileno())
+        os.replace(temporary, path)
+    return path
+
+
+def serve(server: Server, host: str, port: int, on_listening, command_line: bool) -> int:
+    """Serve in the main thread until the run ends: its exit status. SIGINT and SIGTERM call
+    on_signal: on the command line until the process exits; main([...]) restores the handlers
+    it found after the run. The local clients get 10 s to end, then are killed."""
+    handler = functools.partial(on_signal, server)
+    before = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        header = _HEADER_ENCODER.encode(body).encode()
-    except (TypeError, ValueError) as error:
-        raise ProtocolError(f"cannot encode the message: {error}") from None
-    # One join reads each array's buffer in place; the plain form, tobytes(), copies it first.
-    return b"".join([_HEADER_LENGTH.pack(len(header)), header, *arrays])
+        return asyncio.run(server.run(host, port, on_listening))
+    except CommandError as error:  # it names what failed: the port, the run directory, a file
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        reap(server.local_clients, 10)
+        for signum, handler in before.items():
+            if not command_line:  # a script or a REPL goes on after the run
+                signal.signal(signum, handler)
 
 
-def _check_header(header: bytes) -> tuple:
-    try:
-        text = str(header, "utf-8")
-        body, end = _HEADER_DECODER.raw_decode(text)  # plain: json.loads (also strips spaces)
-        if end != len(text):
-            raise ValueError(f"{len(text) - end} characters after its end")
-    except (ValueError, RecursionError) as error:  # bad UTF-8 or JSON, or an int of 4300+ digits
-        raise ProtocolError(f"header is not valid JSON: {error} (the JSON starts at byte 4 of the "
-                            "frame, right after its length, with '{', no space before)") from None
-    message = body.get("message") if isinstance(body, dict) else None
-    if not (isinstance(message, dict) and "__array__" not in message
-            and isinstance(body.get("arrays"), list)):
-        raise ProtocolError("header must be an object with 'message' (an object, not an array "
-                            "reference) and 'arrays' (a list)")
-    layout = []  # (dtype, shape, bytes) of each array
-    for i, spec in enumerate(body["arrays"]):
-        if not (isinstance(spec, list) and len(spec) == 2):
-            raise ProtocolError(f"array {i}: {str(spec)[:80]} is not [dtype, shape]")
-        name, shape = spec
-        dtype = _ALLOWED_DTYPES.get(name) if isinstance(name, str) else None
-        if dtype is None:
-            raise ProtocolError(f"array {i}: dtype {name!r:.40} is not an allowed dtype: arrays "
-                                f"travel little-endian, spelled {_SPELLINGS}")
-        # type(n) is int, not isinstance: true and false are not lengths. Then numpy's limits.
-        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
-                and len(shape) <= 32 and math.prod(filter(None, shape)) * dtype.itemsize < 2**63):
-            raise ProtocolError(f"array {i}: numpy cannot make shape {str(shape)[:80]}")
-        layout.append((dtype, shape, math.prod(shape) * dtype.itemsize))
-    return message, layout
+def on_signal(server: Server, *_) -> None:
+    """SIGINT or SIGTERM: stop cleanly. Copies within a second are the same request (timeout,
+    docker stop, Slurm and a terminal's Ctrl-C send several); a later one quits at once.
+    A plain handler (signal.signal): it runs between two lines of the loop's thread, a final
+    save's too, and after the loop."""
+    now = time.monotonic()
+    if server.signalled_at is not None:
+        if now - server.signalled_at < 1.0:
+            return
+        if server.ended is not None:  # the run is over and saved: nothing is left to lose
+            os._exit(server.ended)
+        print("\nstopped again: exiting now, without a final checkpoint", file=sys.stderr,
+              flush=True)
+        os._exit(130)
+    server.signalled_at = now
+    print("\nstopping: a final checkpoint once the learn in progress (if any) ends; "
+          "Ctrl-C again quits without one", file=sys.stderr, flush=True)
+    server.stop_requested = True  # control_loop: the final checkpoint, then every client told
+    if server.loop is not None and not server.loop.is_closed():
+        server.loop.call_soon_threadsafe(server.wake.set)
 
 
-# A client repeats its header frame after frame: unpack keeps up to 64 checked ones (<= 4 KiB
-# each), and forgets them all when a 65th comes.
-_CHECKED_HEADERS = {}  # header bytes -> (template, layout); the plain form checks every header
-
-
-def unpack_message(frame: bytes) -> dict:
-    """Decode one binary frame. Arrays are read-only views into the frame: copy one to modify it."""
-    if not isinstance(frame, (bytes, bytearray)):
-        raise ProtocolError("expected a binary frame, got a text frame", "send binary frames")
-    if isinstance(frame, bytearray):  # arrays viewing a bytearray would be writable
-        frame = memoryview(frame).toreadonly()
-    if len(frame) < 4:
-        raise ProtocolError(f"frame of {len(frame)} bytes is shorter than its header length field")
-    start = 4 + _HEADER_LENGTH.unpack_from(frame)[0]
-    if start > len(frame):
-        raise ProtocolError(f"header declares {start - 4} bytes, the frame holds {len(frame) - 4}")
-    header = bytes(frame[4:start])  # a dict key (copies only from a memoryview)
-    checked = _CHECKED_HEADERS.get(header)
-    if checked is None:
-        checked = _check_header(header)
-        if len(_CHECKED_HEADERS) >= 64:
-            _CHECKED_HEADERS.clear()
-        if len(header) <= 4096:
-            _CHECKED_HEADERS[header] = checked
-    template, layout = checked
-    arrays, offset = [], start
-    for i, (dtype, shape, size) in enumerate(layout):  # each size is checked before its view
-        if size > len(frame) - offset:
-            raise ProtocolError(f"array {i} declares {size} bytes but {len(frame) - offset} remain")
-        arrays.append(np.ndarray(shape, dtype, frame, offset))  # plain: frombuffer + reshape
-        offset += size
-    if offset != len(frame):
-        raise ProtocolError(f"{len(frame) - offset} bytes are left over after the declared arrays")
-    return _rebuild(template, 1, arrays, None)
-
-
-# ===== 2. State types: what flows from infer to feedback, and what a checkpoint holds =====
+# ===== 4. State types: what flows from infer to feedback, and what a checkpoint holds =====
 # PlugRL page: PolicyRuntimeState, PolicyTrainState (plugrl_server.policy.state), Checkpoint.
 
 # Whatever the policy returns from infer beside the action: an array or a dict of arrays (nested),
@@ -240,122 +521,8 @@ class Checkpoint:
     meta: dict
 
 
-def obs_spec_of(spec: dict) -> dict:
-    """An obs_spec written one way: shapes as tuples of ints, dtypes as np.dtype ("<f4",
-    "float32" and np.float32 are one dtype; [3] and (3,) one shape)."""
-    return {key: (tuple(int(size) for size in shape), np.dtype(dtype))
-            for key, (shape, dtype) in spec.items()}
-
-
-def map_arrays(function, tree):
-    """function(array) for every array of a nested dict (or a lone array); None stays None."""
-    if isinstance(tree, dict):
-        return {key: map_arrays(function, value) for key, value in tree.items()}
-    return None if tree is None else function(tree)
-
-
-def slice_rows(tree, rows):
-    """Index every array of a nested dict (or a lone array) along axis 0."""
-    return map_arrays(lambda array: array[rows], tree)
-
-
-def put_rows(tree, rows, values) -> None:
-    """tree[rows] = values, in place, for an array or a nested dict of arrays."""
-    if isinstance(tree, dict):
-        for key in tree:
-            put_rows(tree[key], rows, values[key])
-    else:
-        tree[rows] = values
-
-
-def split_rows(tree, n: int) -> list:
-    """[slice_rows(tree, i) for i in range(n)], one array at a time (the plain form indexes
-    every array once per row). Rows of arrays are views; a 1-d array gives Python numbers."""
-    if tree is None:
-        return [None] * n
-    if not isinstance(tree, dict):
-        return tree.tolist() if tree.ndim == 1 else list(tree)
-    rows = [{} for _ in range(n)]
-    for key, value in tree.items():
-        for row, part in zip(rows, split_rows(value, n)):
-            row[key] = part
-    return rows
-
-
-# ===== 3. Registries: where the command line finds policies, algorithms and environments =====
-# PlugRL page: register_algo_config, register_algo (and their policy twins), make_algo.
-
-_POLICY_CONFIGS, _POLICIES, _ALGO_CONFIGS, _ALGOS = {}, {}, {}, {}
-ENVIRONMENTS = {}  # env_id -> VecEnv subclass, for the env client (section 7)
-
-
-class RegistrationError(ValueError):
-    """A name registered twice: the command line ends on its one line, with status 2."""
-
-
-def _registrar(table: dict, key, what: str, defaults: bool = False):
-    """A class decorator that stores the class (or, for a config, its defaults) under key, once."""
-    def decorator(cls):
-        if key in table:
-            first = (type(table[key]) if defaults else table[key]).__module__
-            raise RegistrationError(f"{what} is registered twice, by {first} and by "
-                                    f"{cls.__module__}: rename one, or load only one of them")
-        table[key] = cls() if defaults else cls
-        return cls
-    return decorator
-
-
-def register_policy_config(uid: str, variant: str = "default"):
-    """Class decorator: register a policy config dataclass's defaults under (uid, variant)."""
-    return _registrar(_POLICY_CONFIGS, (uid, variant), f"policy config {uid}/{variant}", True)
-
-
-def register_policy(uid: str):
-    """Class decorator: register a BaseTorchPolicy subclass under uid."""
-    return _registrar(_POLICIES, uid, f"policy {uid}")
-
-
-def register_algo_config(uid: str, variant: str = "default"):
-    """Class decorator: register an algorithm config dataclass's defaults under (uid, variant)."""
-    return _registrar(_ALGO_CONFIGS, (uid, variant), f"algorithm config {uid}/{variant}", True)
-
-
-def register_algo(uid: str):
-    """Class decorator: register a BaseAlgorithm subclass under uid."""
-    return _registrar(_ALGOS, uid, f"algorithm {uid}")
-
-
-def register_env(env_id: str):
-    """Class decorator: register a VecEnv subclass under env_id, for env-client and --local-env."""
-    return _registrar(ENVIRONMENTS, env_id, f"environment {env_id}")
-
-
-def _config(kind: str, configs: dict, uid: str, variant: str):
-    """A copy of the registered defaults of (uid, variant): flags never change the registry."""
-    if (uid, variant) not in configs:
-        raise KeyError(f"{kind} config {uid}/{variant} is not registered.")
-    return dataclasses.replace(configs[(uid, variant)])
-
-
-def _build(kind: str, classes: dict, configs: dict, uid: str, variant: str, config, **kwargs):
-    config = _config(kind, configs, uid, variant) if config is None else config
-    if uid not in classes:  # the page's symptom when only the config module was imported
-        raise KeyError(f"{kind} {uid} is not registered.")
-    return classes[uid](config=config, **kwargs)
-
-
-def make_policy(uid: str, config=None, variant: str = "default"):
-    """Build the policy registered as uid (default config: the registered variant's)."""
-    return _build("Policy", _POLICIES, _POLICY_CONFIGS, uid, variant, config)
-
-
-def make_algo(uid: str, policy, config=None, variant: str = "default"):
-    """Build the algorithm registered as uid around policy. An abstract class raises TypeError."""
-    return _build("Algorithm", _ALGOS, _ALGO_CONFIGS, uid, variant, config, policy=policy)
-
-
-# ===== 4. Policies: a batch of observations in, a batch of actions out =====
-# PlugRL page: BaseTorchPolicy, and the dummy-policy of its smoke test.
+# ===== 5. Policies: a batch of observations in, a batch of actions out =====
+# PlugRL page: BaseTorchPolicy. The built-in ones (dummy-policy, categorical-policy): section 11.
 
 class BaseTorchPolicy(nn.Module):
     """An nn.Module (so state_dict() works) with what the server and algorithms call. Continuous
@@ -385,126 +552,7 @@ class BaseTorchPolicy(nn.Module):
         return next(self.parameters()).device
 
 
-@register_policy_config("dummy-policy")
-@dataclasses.dataclass
-class DummyPolicyConfig:
-    """Sizes of dummy-policy; the defaults fit dummy-v1 and pendulum-v1 (3 numbers in, 1 out)."""
-
-    obs_dim: int = 3  # numbers in the observation's "state"
-    action_dim: int = 1  # numbers in one action, each in [-1, 1]
-    action_horizon: int = 1  # actions per decision: a chunk of H for MultiAction
-    hidden_size: int = 256  # the width of both hidden layers
-    log_std_min: float = -5.0  # the Gaussian's log-std is squashed into [min, max]
-    log_std_max: float = 2.0  # (see log_std_min)
-
-
-@register_policy("dummy-policy")
-class DummyPolicy(BaseTorchPolicy):
-    """A tanh-Gaussian MLP: actions in [-1, 1]. The actor of sac (through sample()) and of pg."""
-
-    def __init__(self, config: DummyPolicyConfig):
-        super().__init__()
-        self.config = config
-        self.action_dim, self.action_horizon = config.action_dim, config.action_horizon
-        self.obs_spec = {"state": ((config.obs_dim,), "float32")}
-        hidden = config.hidden_size
-        self.trunk = nn.Sequential(nn.Linear(config.obs_dim, hidden), nn.ReLU(),
-                                   nn.Linear(hidden, hidden), nn.ReLU())
-        # Mean and log-std of every action of the chunk, in one matmul.
-        self.head = nn.Linear(hidden, 2 * config.action_horizon * config.action_dim)
-
-    def gaussian(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean and log-std of the Gaussian before tanh, each [B, action_horizon * action_dim]."""
-        mean, log_std = self.head(self.trunk(state)).chunk(2, dim=-1)
-        low, high = self.config.log_std_min, self.config.log_std_max
-        return mean, low + 0.5 * (high - low) * (torch.tanh(log_std) + 1)  # squashed to [low, high]
-
-    def forward(self, obs: dict) -> torch.distributions.Distribution:
-        """The Gaussian of the sample u; the action is tanh(u)."""
-        mean, log_std = self.gaussian(obs["state"])
-        gaussian = torch.distributions.Normal(mean, log_std.exp(), validate_args=False)
-        return torch.distributions.Independent(gaussian, 1, validate_args=False)
-
-    def gaussian_sample(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """u = mean + std * noise (reparameterized) and its log-density [B], written out: the
-        plain form, self(obs).rsample() and .log_prob(u), takes twice the time."""
-        mean, log_std = self.gaussian(state)
-        noise = torch.randn_like(mean)
-        u = mean + log_std.exp() * noise
-        return u, (-0.5 * noise.pow(2) - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
-
-    def sample(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A reparameterized action in (-1, 1) and its log-probability [B] (what sac trains)."""
-        u, log_prob = self.gaussian_sample(state)
-        action = torch.tanh(u)
-        # The density of a = tanh(u) is the density of u over |da/du| = 1 - tanh(u)^2.
-        return action, log_prob - torch.log(1 - action.pow(2) + 1e-6).sum(-1)
-
-    @torch.inference_mode()
-    def get_action_and_runtime_state(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
-        """Sample a batch of actions; the runtime state keeps the action, u and u's log-prob."""
-        u, log_prob = self.gaussian_sample(torch.from_numpy(obs["state"]).to(self.device))
-        action = torch.tanh(u).cpu().numpy().reshape(-1, self.action_horizon, self.action_dim)
-        return action, {"action": action, "sample": u.cpu().numpy(),
-                        "log_prob": log_prob.cpu().numpy()}
-
-    def fake_runtime_state(self, n: int) -> PolicyRuntimeState:
-        """Zeros shaped like the runtime state of n environments."""
-        size = self.action_horizon * self.action_dim
-        return {"action": np.zeros((n, self.action_horizon, self.action_dim), np.float32),
-                "sample": np.zeros((n, size), np.float32), "log_prob": np.zeros(n, np.float32)}
-
-
-@register_policy_config("categorical-policy")
-@dataclasses.dataclass
-class CategoricalPolicyConfig:
-    """Sizes of categorical-policy (discrete actions); the defaults fit cartpole-v1."""
-
-    obs_dim: int = 4  # numbers in the observation's "state"
-    num_actions: int = 2  # choices per step
-    hidden_size: int = 64  # the width of both hidden layers
-
-
-@register_policy_config("categorical-policy", "cartpole")
-@dataclasses.dataclass
-class CartPolePolicyConfig(CategoricalPolicyConfig):
-    """The defaults (4 observations, 2 actions), named for the command line: `... cartpole`."""
-
-
-@register_policy("categorical-policy")
-class CategoricalPolicy(BaseTorchPolicy):
-    """An MLP with a categorical head: one of num_actions choices per step (action_dim is 1)."""
-
-    def __init__(self, config: CategoricalPolicyConfig):
-        super().__init__()
-        self.action_dim, self.num_actions = 1, config.num_actions
-        self.obs_spec = {"state": ((config.obs_dim,), "float32")}
-        hidden = config.hidden_size
-        self.logits = nn.Sequential(nn.Linear(config.obs_dim, hidden), nn.Tanh(),
-                                    nn.Linear(hidden, hidden), nn.Tanh(),
-                                    nn.Linear(hidden, config.num_actions))
-
-    def forward(self, obs: dict) -> torch.distributions.Distribution:
-        """One categorical over num_actions per observation."""
-        logits = self.logits(obs["state"])
-        return torch.distributions.Categorical(logits=logits, validate_args=False)
-
-    @torch.inference_mode()
-    def get_action_and_runtime_state(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
-        """Sample a batch of choices; the runtime state keeps each choice and its log-prob."""
-        categorical = self({"state": torch.from_numpy(obs["state"]).to(self.device)})
-        choice = categorical.sample()  # [n] int64
-        action = choice.cpu().numpy().reshape(-1, 1, 1)  # [n, action_horizon = 1, 1]
-        return action, {"action": action, "sample": choice.cpu().numpy(),
-                        "log_prob": categorical.log_prob(choice).cpu().numpy()}
-
-    def fake_runtime_state(self, n: int) -> PolicyRuntimeState:
-        """Zeros shaped like the runtime state of n environments."""
-        return {"action": np.zeros((n, 1, 1), np.int64), "sample": np.zeros(n, np.int64),
-                "log_prob": np.zeros(n, np.float32)}
-
-
-# ===== 5. Algorithms: the hooks the server loop calls, and the algorithms that use them =====
+# ===== 6. Algorithms: the hooks the server loop calls, and the smallest algorithm =====
 # PlugRL page: BaseAlgoConfig, BaseAlgorithm, "Server contract" and "Design rules".
 
 @dataclasses.dataclass
@@ -631,7 +679,6 @@ class BaseAlgorithm(abc.ABC):
         """Runs right after the algorithm is built: build optimizers here."""
 
 
-@register_algo_config("dummy")
 @dataclasses.dataclass
 class DummyAlgoConfig(BaseAlgoConfig):
     """The dummy learns nothing: it only keeps the cadence of a real algorithm."""
@@ -641,9 +688,9 @@ class DummyAlgoConfig(BaseAlgoConfig):
     save_every: int = 100  # learns between checkpoints
 
 
-@register_algo("dummy")
 class DummyAlgorithm(BaseAlgorithm):
-    """The smallest complete algorithm: counts frames, 'learns' every learn_every, saves."""
+    """The smallest complete algorithm: counts frames, 'learns' every learn_every, saves.
+    Registered as `dummy` with its config in section 10, where the registries are."""
 
     def __init__(self, config: DummyAlgoConfig, policy: BaseTorchPolicy):
         super().__init__(config=config, policy=policy)
@@ -684,7 +731,23 @@ class DummyAlgorithm(BaseAlgorithm):
         self.saved_at_learn = checkpoint.meta["saved_at_learn"]
 
 
-@register_algo_config("pg")
+# ===== The first reading ends here ==========================================================
+# Its five questions, and where it answered them: where an action comes from and what routes its
+# feedback (infer_waiting, route_feedback, on_policy); what becomes of a stale frame
+# (route_feedback, discard_feedback); when learn runs and why serving pauses (control_loop,
+# learn_once); what a checkpoint holds and when it is written (Checkpoint, control_loop, save,
+# create_checkpoint); what SIGTERM does (on_signal, request_stop, control_loop, run). The second
+# reading, section by section, in any order; the optional blocks can be cut (see the docstring).
+
+
+# ===== 7. PG: the first learner, on one rank or several (DDPAlgorithm) =====
+# PlugRL page: DDPAlgorithm and its hooks (activate_ddp, get_server_data, load_server_data,
+# load_learner_state, create_ddp_checkpoint); pg is the on-policy counterpart of the SAC example.
+# Registered as `pg` with its config in section 10. Read it first as a learner of one process.
+
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
 @dataclasses.dataclass
 class PGConfig(BaseAlgoConfig):
     """pg's hyperparameters; every field is a flag (--algo.frames-per-learn 2048)."""
@@ -742,7 +805,6 @@ class DDPAlgorithm(BaseAlgorithm):
         return slice(rank * (n // ranks), (rank + 1) * (n // ranks))
 
 
-@register_algo("pg")
 class PG(DDPAlgorithm):
     """On-policy policy gradient with a learned value baseline and GAE(lambda) advantages.
 
@@ -904,423 +966,442 @@ class PG(DDPAlgorithm):
         put_rows(self.batch, slice(0, self.stored), data)
 
 
-# ===== 6. Server: batched infer, the routing rule, learn, save and stop, over WebSocket =====
-# PlugRL page: "Server contract" and "What the loop implies for the hooks".
+# ===== 8. Wire format: one binary WebSocket frame per message, a JSON header, raw array bytes =====
+# PlugRL page: the transport under infer() and feedback(). Nothing is ever unpickled.
+# A frame: [header length: uint32, little-endian][JSON header][array 0 bytes][array 1 bytes]...
+# The header is {"message": the message with each array replaced by {"__array__": i},
+#                "arrays": [[dtype, shape], ...]}. Array bytes: C order, little-endian, no padding.
+import struct
 
-RUN_FINISHED = "run finished"  # the close reason that tells a client the run is over (exit 0)
-SERVER_FAILED = "server failed"  # the close reason's prefix when an algorithm hook raised
-SILENT = "client silent"  # the close reason's prefix when a client owed feedback too long
-NO_NODE = (-1, "")  # prev_node when there is no stored frame of this environment to link to
-
-
-@dataclasses.dataclass(eq=False)
-class InferBatch:
-    """One infer() call, kept until every environment in it has sent its feedback."""
-
-    version: int  # the policy version that acted: learns so far
-    action: np.ndarray  # [n, action_horizon, action_dim]
-    obs: list  # [n] the observation each action was chosen for, {key: array}
-    runtime_state: list  # [n] each environment's row of the runtime state
-    train_state: list  # [n] each environment's row of derive_train_state(runtime_state)
+_HEADER_LENGTH = struct.Struct("<I")
+_MAX_DEPTH = 64  # a message needs a handful of levels; deeper is refused both ways
+# A header spells a dtype as numpy's dtype.str ("<f4", what pack writes) or by name ("float32").
+_DTYPE_NAMES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                "float16", "float32", "float64")
+_ALLOWED_DTYPES = {spelling: np.dtype(name)
+                   for name in _DTYPE_NAMES for spelling in (np.dtype(name).str, name)}
+_SPELLINGS = ", ".join(f"{np.dtype(name).str} or {name}" for name in _DTYPE_NAMES)
+_WIRE_DTYPES = {np.dtype(name): np.dtype(name).str for name in _DTYPE_NAMES}  # plain: dtype.str
 
 
-@dataclasses.dataclass(eq=False)
-class StepState:
-    """An environment's step state: the infer batch and row of the action it executes."""
-
-    batch: InferBatch
-    row: int
+def _reject_constant(name):
+    raise ValueError(f"{name} is not JSON")  # Python's json reads NaN and Infinity by default
 
 
-@dataclasses.dataclass(eq=False)
-class EnvSlot:
-    """What the server keeps for one environment of one connection."""
-
-    waiting: bool = False  # its infer is queued; its action not sent yet
-    step: StepState | None = None  # the action it was given and owes feedback for
-    terminated: bool = False  # how its previous frame ended: feedback(terminated=, truncated=)
-    truncated: bool = False
-    prev_node: tuple = NO_NODE  # what feedback returned for its previous stored frame
+# Made once; the plain forms, json.dumps and json.loads, build one per message.
+_HEADER_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False, check_circular=False)
+_HEADER_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
 
 
-@dataclasses.dataclass(eq=False)
-class Connection:
-    """One env client: its WebSocket and its environments, by the client's own env_indices."""
+class ProtocolError(ValueError):
+    """A message that breaks the wire format or the protocol; `hint` tells the sender what to do."""
 
-    ws: typing.Any
-    number: int  # for the trace: connections in the order they came
-    slots: dict = dataclasses.field(default_factory=dict)  # env index -> EnvSlot
-    heard_at: float = 0.0  # its last feedback, or the last action sent to it: the timeout clock
+    def __init__(self, message, hint="see 'The wire protocol' in README.md"):
+        super().__init__(message)
+        self.hint = hint
 
 
-@dataclasses.dataclass(eq=False)
-class InferRequest:
-    """A checked infer message, queued until the control loop answers it."""
+def _rebuild(container, depth: int, arrays: list, specs: list | None):
+    # A copy of a dict or list (a tuple becomes a list), by one walker for both ends. Packing
+    # (specs given): {"__array__": i} in place of each array, which joins arrays, its (dtype,
+    # shape) joining specs. Unpacking: arrays[i] in place of each {"__array__": i} (checked).
+    packing = specs is not None
+    if depth > _MAX_DEPTH:
+        raise ProtocolError(f"the {'message' if packing else 'header'} nests deeper than "
+                            f"{_MAX_DEPTH} levels" + " (or in itself)" * packing)
+    if packing and isinstance(container, dict) and "__array__" in container:
+        raise ProtocolError("the key '__array__' is reserved by the wire format")
+    copy, items = ((dict(container), container.items()) if isinstance(container, dict)
+                   else (list(container), enumerate(container)))
+    for key, value in items:  # one call per container; the plain form calls once per value
+        if packing and isinstance(value, (np.ndarray, np.generic)):
+            array = np.asarray(value, order="C")  # unlike ascontiguousarray, keeps 0-d as 0-d
+            dtype = _WIRE_DTYPES.get(array.dtype)
+            if dtype is None:
+                raise ProtocolError(f"cannot send dtype {array.dtype}: only bool, int, uint "
+                                    "and float arrays, little-endian")
+            copy[key] = {"__array__": len(arrays)}
+            arrays.append(array)
+            specs.append((dtype, array.shape))
+        elif not packing and isinstance(value, dict) and "__array__" in value:
+            index = value["__array__"]
+            if type(index) is not int or not 0 <= index < len(arrays) or len(value) != 1:
+                raise ProtocolError(f"bad array reference {str(value)[:80]}")
+            copy[key] = arrays[index]
+        elif isinstance(value, (dict, list, tuple)):
+            copy[key] = _rebuild(value, depth + 1, arrays, specs)
+    return copy  # any other value is json's to write, or to refuse
 
-    conn: Connection
-    env_indices: np.ndarray  # int64 [n]
-    obs: dict  # {key: [n, ...]}
+
+def pack_message(message: dict) -> bytes:
+    """Encode a dict of JSON values and numpy arrays, nested, as one binary frame."""
+    arrays, specs = [], []  # the arrays in frame order, and their (dtype, shape) for the header
+
+    body = {"message": _rebuild(message, 1, arrays, specs), "arrays": specs}
+    try:
+        header = _HEADER_ENCODER.encode(body).encode()
+    except (TypeError, ValueError) as error:
+        raise ProtocolError(f"cannot encode the message: {error}") from None
+    # One join reads each array's buffer in place; the plain form, tobytes(), copies it first.
+    return b"".join([_HEADER_LENGTH.pack(len(header)), header, *arrays])
 
 
-@dataclasses.dataclass(eq=False)
-class Frame:
-    """One environment's frame: its step state (what it was given) and what its feedback says."""
+def _check_header(header: bytes) -> tuple:
+    try:
+        text = str(header, "utf-8")
+        body, end = _HEADER_DECODER.raw_decode(text)  # plain: json.loads (also strips spaces)
+        if end != len(text):
+            raise ValueError(f"{len(text) - end} characters after its end")
+    except (ValueError, RecursionError) as error:  # bad UTF-8 or JSON, or an int of 4300+ digits
+        raise ProtocolError(f"header is not valid JSON: {error} (the JSON starts at byte 4 of the "
+                            "frame, right after its length, with '{', no space before)") from None
+    message = body.get("message") if isinstance(body, dict) else None
+    if not (isinstance(message, dict) and "__array__" not in message
+            and isinstance(body.get("arrays"), list)):
+        raise ProtocolError("header must be an object with 'message' (an object, not an array "
+                            "reference) and 'arrays' (a list)")
+    layout = []  # (dtype, shape, bytes) of each array
+    for i, spec in enumerate(body["arrays"]):
+        if not (isinstance(spec, list) and len(spec) == 2):
+            raise ProtocolError(f"array {i}: {str(spec)[:80]} is not [dtype, shape]")
+        name, shape = spec
+        dtype = _ALLOWED_DTYPES.get(name) if isinstance(name, str) else None
+        if dtype is None:
+            raise ProtocolError(f"array {i}: dtype {name!r:.40} is not an allowed dtype: arrays "
+                                f"travel little-endian, spelled {_SPELLINGS}")
+        # type(n) is int, not isinstance: true and false are not lengths. Then numpy's limits.
+        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+                and len(shape) <= 32 and math.prod(filter(None, shape)) * dtype.itemsize < 2**63):
+            raise ProtocolError(f"array {i}: numpy cannot make shape {str(shape)[:80]}")
+        layout.append((dtype, shape, math.prod(shape) * dtype.itemsize))
+    return message, layout
 
-    env_index: int  # the client's own name for the environment
-    slot: EnvSlot
-    step: StepState  # taken from the slot when the message arrived: observation, action, states
-    next_obs: dict  # the observation after the decision, {key: array}
-    reward: typing.Any  # a float (with 'stack': a [k] array, one reward per physical step)
-    next_terminated: bool  # how the decision ended (the slot holds how the previous one did)
-    next_truncated: bool
-    info: dict  # e.g. {"episode": {...}} (every frame of the message has it if one finished)
+
+# A client repeats its header frame after frame: unpack keeps up to 64 checked ones (<= 4 KiB
+# each), and forgets them all when a 65th comes.
+_CHECKED_HEADERS = {}  # header bytes -> (template, layout); the plain form checks every header
 
 
-@dataclasses.dataclass(eq=False)
-class FeedbackMessage:
-    """A checked feedback message: its frames, one per environment, in the message's order."""
+def unpack_message(frame: bytes) -> dict:
+    """Decode one binary frame. Arrays are read-only views into the frame: copy one to modify it."""
+    if not isinstance(frame, (bytes, bytearray)):
+        raise ProtocolError("expected a binary frame, got a text frame", "send binary frames")
+    if isinstance(frame, bytearray):  # arrays viewing a bytearray would be writable
+        frame = memoryview(frame).toreadonly()
+    if len(frame) < 4:
+        raise ProtocolError(f"frame of {len(frame)} bytes is shorter than its header length field")
+    start = 4 + _HEADER_LENGTH.unpack_from(frame)[0]
+    if start > len(frame):
+        raise ProtocolError(f"header declares {start - 4} bytes, the frame holds {len(frame) - 4}")
+    header = bytes(frame[4:start])  # a dict key (copies only from a memoryview)
+    checked = _CHECKED_HEADERS.get(header)
+    if checked is None:
+        checked = _check_header(header)
+        if len(_CHECKED_HEADERS) >= 64:
+            _CHECKED_HEADERS.clear()
+        if len(header) <= 4096:
+            _CHECKED_HEADERS[header] = checked
+    template, layout = checked
+    arrays, offset = [], start
+    for i, (dtype, shape, size) in enumerate(layout):  # each size is checked before its view
+        if size > len(frame) - offset:
+            raise ProtocolError(f"array {i} declares {size} bytes but {len(frame) - offset} remain")
+        arrays.append(np.ndarray(shape, dtype, frame, offset))  # plain: frombuffer + reshape
+        offset += size
+    if offset != len(frame):
+        raise ProtocolError(f"{len(frame) - offset} bytes are left over after the declared arrays")
+    return _rebuild(template, 1, arrays, None)
 
-    conn: Connection
-    frames: list  # [m] Frame
+
+# ===== 9. Rows: a message's arrays, batched along axis 0, cut into each environment's rows =====
+# PlugRL page: "sliced per environment" (derive_train_state's result, and every runtime state).
+
+def obs_spec_of(spec: dict) -> dict:
+    """An obs_spec written one way: shapes as tuples of ints, dtypes as np.dtype ("<f4",
+    "float32" and np.float32 are one dtype; [3] and (3,) one shape)."""
+    return {key: (tuple(int(size) for size in shape), np.dtype(dtype))
+            for key, (shape, dtype) in spec.items()}
 
 
-class Server:
-    """One run: the algorithm behind a WebSocket endpoint, writing to its run directory. Each
-    connection's task only checks and queues messages. One control task talks to the algorithm,
-    so no two hooks ever run at once (learn runs in a worker thread, alone)."""
+def map_arrays(function, tree):
+    """function(array) for every array of a nested dict (or a lone array); None stays None."""
+    if isinstance(tree, dict):
+        return {key: map_arrays(function, value) for key, value in tree.items()}
+    return None if tree is None else function(tree)
 
-    def __init__(self, algo: BaseAlgorithm, run_dir: str, names: tuple[str, str], *,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES, feedback_timeout: float = 60.0,
-                 max_envs_per_client: int = 4096, token: str | None = None,
-                 global_step: int = 0, policy_version: int = 0,
-                 learn_threads: int | None = None, log_every: int = 1000, trace: int = 0,
-                 ranks=None):
-        self.algo, self.run_dir, self.token = algo, run_dir, token
-        self.max_message_bytes, self.feedback_timeout = max_message_bytes, feedback_timeout
-        self.max_envs = max_envs_per_client  # one client must not hold the loop for everyone
+
+def slice_rows(tree, rows):
+    """Index every array of a nested dict (or a lone array) along axis 0."""
+    return map_arrays(lambda array: array[rows], tree)
+
+
+def put_rows(tree, rows, values) -> None:
+    """tree[rows] = values, in place, for an array or a nested dict of arrays."""
+    if isinstance(tree, dict):
+        for key in tree:
+            put_rows(tree[key], rows, values[key])
+    else:
+        tree[rows] = values
+
+
+def split_rows(tree, n: int) -> list:
+    """[slice_rows(tree, i) for i in range(n)], one array at a time (the plain form indexes
+    every array once per row). Rows of arrays are views; a 1-d array gives Python numbers."""
+    if tree is None:
+        return [None] * n
+    if not isinstance(tree, dict):
+        return tree.tolist() if tree.ndim == 1 else list(tree)
+    rows = [{} for _ in range(n)]
+    for key, value in tree.items():
+        for row, part in zip(rows, split_rows(value, n)):
+            row[key] = part
+    return rows
+
+
+# ===== 10. Registries: where the command line finds policies, algorithms and environments =====
+# PlugRL page: register_algo_config, register_algo (and their policy twins), make_algo.
+
+_POLICY_CONFIGS, _POLICIES, _ALGO_CONFIGS, _ALGOS = {}, {}, {}, {}
+ENVIRONMENTS = {}  # env_id -> VecEnv subclass, for the env client (section 14)
+
+
+class RegistrationError(ValueError):
+    """A name registered twice: the command line ends on its one line, with status 2."""
+
+
+def _registrar(table: dict, key, what: str, defaults: bool = False):
+    """A class decorator that stores the class (or, for a config, its defaults) under key, once."""
+    def decorator(cls):
+        if key in table:
+            first = (type(table[key]) if defaults else table[key]).__module__
+            raise RegistrationError(f"{what} is registered twice, by {first} and by "
+                                    f"{cls.__module__}: rename one, or load only one of them")
+        table[key] = cls() if defaults else cls
+        return cls
+    return decorator
+
+
+def register_policy_config(uid: str, variant: str = "default"):
+    """Class decorator: register a policy config dataclass's defaults under (uid, variant)."""
+    return _registrar(_POLICY_CONFIGS, (uid, variant), f"policy config {uid}/{variant}", True)
+
+
+def register_policy(uid: str):
+    """Class decorator: register a BaseTorchPolicy subclass under uid."""
+    return _registrar(_POLICIES, uid, f"policy {uid}")
+
+
+def register_algo_config(uid: str, variant: str = "default"):
+    """Class decorator: register an algorithm config dataclass's defaults under (uid, variant)."""
+    return _registrar(_ALGO_CONFIGS, (uid, variant), f"algorithm config {uid}/{variant}", True)
+
+
+def register_algo(uid: str):
+    """Class decorator: register a BaseAlgorithm subclass under uid."""
+    return _registrar(_ALGOS, uid, f"algorithm {uid}")
+
+
+def register_env(env_id: str):
+    """Class decorator: register a VecEnv subclass under env_id, for env-client and --local-env."""
+    return _registrar(ENVIRONMENTS, env_id, f"environment {env_id}")
+
+
+def _config(kind: str, configs: dict, uid: str, variant: str):
+    """A copy of the registered defaults of (uid, variant): flags never change the registry."""
+    if (uid, variant) not in configs:
+        raise KeyError(f"{kind} config {uid}/{variant} is not registered.")
+    return dataclasses.replace(configs[(uid, variant)])
+
+
+def _build(kind: str, classes: dict, configs: dict, uid: str, variant: str, config, **kwargs):
+    config = _config(kind, configs, uid, variant) if config is None else config
+    if uid not in classes:  # the page's symptom when only the config module was imported
+        raise KeyError(f"{kind} {uid} is not registered.")
+    return classes[uid](config=config, **kwargs)
+
+
+def make_policy(uid: str, config=None, variant: str = "default"):
+    """Build the policy registered as uid (default config: the registered variant's)."""
+    return _build("Policy", _POLICIES, _POLICY_CONFIGS, uid, variant, config)
+
+
+def make_algo(uid: str, policy, config=None, variant: str = "default"):
+    """Build the algorithm registered as uid around policy. An abstract class raises TypeError."""
+    return _build("Algorithm", _ALGOS, _ALGO_CONFIGS, uid, variant, config, policy=policy)
+
+
+# The first reading's algorithms, registered here, below the registries they go in. A plug-in
+# registers its own with the decorators, as sac_example.py and the built-in policies below do.
+register_algo_config("dummy")(DummyAlgoConfig)
+register_algo("dummy")(DummyAlgorithm)
+register_algo_config("pg")(PGConfig)
+register_algo("pg")(PG)
+
+
+# ===== 11. Built-in policies: dummy-policy (tanh-Gaussian) and categorical-policy (choices) =====
+# PlugRL page: the dummy-policy of its smoke test, registered with register_policy(_config).
+
+
+@register_policy_config("dummy-policy")
+@dataclasses.dataclass
+class DummyPolicyConfig:
+    """Sizes of dummy-policy; the defaults fit dummy-v1 and pendulum-v1 (3 numbers in, 1 out)."""
+
+    obs_dim: int = 3  # numbers in the observation's "state"
+    action_dim: int = 1  # numbers in one action, each in [-1, 1]
+    action_horizon: int = 1  # actions per decision: a chunk of H for MultiAction
+    hidden_size: int = 256  # the width of both hidden layers
+    log_std_min: float = -5.0  # the Gaussian's log-std is squashed into [min, max]
+    log_std_max: float = 2.0  # (see log_std_min)
+
+
+@register_policy("dummy-policy")
+class DummyPolicy(BaseTorchPolicy):
+    """A tanh-Gaussian MLP: actions in [-1, 1]. The actor of sac (through sample()) and of pg."""
+
+    def __init__(self, config: DummyPolicyConfig):
+        super().__init__()
+        self.config = config
+        self.action_dim, self.action_horizon = config.action_dim, config.action_horizon
+        self.obs_spec = {"state": ((config.obs_dim,), "float32")}
+        hidden = config.hidden_size
+        self.trunk = nn.Sequential(nn.Linear(config.obs_dim, hidden), nn.ReLU(),
+                                   nn.Linear(hidden, hidden), nn.ReLU())
+        # Mean and log-std of every action of the chunk, in one matmul.
+        self.head = nn.Linear(hidden, 2 * config.action_horizon * config.action_dim)
+
+    def gaussian(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and log-std of the Gaussian before tanh, each [B, action_horizon * action_dim]."""
+        mean, log_std = self.head(self.trunk(state)).chunk(2, dim=-1)
+        low, high = self.config.log_std_min, self.config.log_std_max
+        return mean, low + 0.5 * (high - low) * (torch.tanh(log_std) + 1)  # squashed to [low, high]
+
+    def forward(self, obs: dict) -> torch.distributions.Distribution:
+        """The Gaussian of the sample u; the action is tanh(u)."""
+        mean, log_std = self.gaussian(obs["state"])
+        gaussian = torch.distributions.Normal(mean, log_std.exp(), validate_args=False)
+        return torch.distributions.Independent(gaussian, 1, validate_args=False)
+
+    def gaussian_sample(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """u = mean + std * noise (reparameterized) and its log-density [B], written out: the
+        plain form, self(obs).rsample() and .log_prob(u), takes twice the time."""
+        mean, log_std = self.gaussian(state)
+        noise = torch.randn_like(mean)
+        u = mean + log_std.exp() * noise
+        return u, (-0.5 * noise.pow(2) - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
+
+    def sample(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A reparameterized action in (-1, 1) and its log-probability [B] (what sac trains)."""
+        u, log_prob = self.gaussian_sample(state)
+        action = torch.tanh(u)
+        # The density of a = tanh(u) is the density of u over |da/du| = 1 - tanh(u)^2.
+        return action, log_prob - torch.log(1 - action.pow(2) + 1e-6).sum(-1)
+
+    @torch.inference_mode()
+    def get_action_and_runtime_state(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
+        """Sample a batch of actions; the runtime state keeps the action, u and u's log-prob."""
+        u, log_prob = self.gaussian_sample(torch.from_numpy(obs["state"]).to(self.device))
+        action = torch.tanh(u).cpu().numpy().reshape(-1, self.action_horizon, self.action_dim)
+        return action, {"action": action, "sample": u.cpu().numpy(),
+                        "log_prob": log_prob.cpu().numpy()}
+
+    def fake_runtime_state(self, n: int) -> PolicyRuntimeState:
+        """Zeros shaped like the runtime state of n environments."""
+        size = self.action_horizon * self.action_dim
+        return {"action": np.zeros((n, self.action_horizon, self.action_dim), np.float32),
+                "sample": np.zeros((n, size), np.float32), "log_prob": np.zeros(n, np.float32)}
+
+
+@register_policy_config("categorical-policy")
+@dataclasses.dataclass
+class CategoricalPolicyConfig:
+    """Sizes of categorical-policy (discrete actions); the defaults fit cartpole-v1."""
+
+    obs_dim: int = 4  # numbers in the observation's "state"
+    num_actions: int = 2  # choices per step
+    hidden_size: int = 64  # the width of both hidden layers
+
+
+@register_policy("categorical-policy")
+class CategoricalPolicy(BaseTorchPolicy):
+    """An MLP with a categorical head: one of num_actions choices per step (action_dim is 1)."""
+
+    def __init__(self, config: CategoricalPolicyConfig):
+        super().__init__()
+        self.action_dim, self.num_actions = 1, config.num_actions
+        self.obs_spec = {"state": ((config.obs_dim,), "float32")}
+        hidden = config.hidden_size
+        self.logits = nn.Sequential(nn.Linear(config.obs_dim, hidden), nn.Tanh(),
+                                    nn.Linear(hidden, hidden), nn.Tanh(),
+                                    nn.Linear(hidden, config.num_actions))
+
+    def forward(self, obs: dict) -> torch.distributions.Distribution:
+        """One categorical over num_actions per observation."""
+        logits = self.logits(obs["state"])
+        return torch.distributions.Categorical(logits=logits, validate_args=False)
+
+    @torch.inference_mode()
+    def get_action_and_runtime_state(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
+        """Sample a batch of choices; the runtime state keeps each choice and its log-prob."""
+        categorical = self({"state": torch.from_numpy(obs["state"]).to(self.device)})
+        choice = categorical.sample()  # [n] int64
+        action = choice.cpu().numpy().reshape(-1, 1, 1)  # [n, action_horizon = 1, 1]
+        return action, {"action": action, "sample": choice.cpu().numpy(),
+                        "log_prob": categorical.log_prob(choice).cpu().numpy()}
+
+    def fake_runtime_state(self, n: int) -> PolicyRuntimeState:
+        """Zeros shaped like the runtime state of n environments."""
+        return {"action": np.zeros((n, 1, 1), np.int64), "sample": np.zeros(n, np.int64),
+                "log_prob": np.zeros(n, np.float32)}
+
+
+# ===== 12. The run's record: metrics.jsonl, the progress line, the start and the end of a run =====
+# PlugRL page: "The progress display reads it" (global_steps); rollout/* as learn() returns them.
+
+import glob
+import socket
+
+
+class RunRecord:
+    """What a run writes and says as it goes: a line of metrics.jsonl every --log-every routed
+    frames (the learns and episodes in between, averaged), and a progress line."""
+
+    def __init__(self, log_every: int, policy_version: int = 0):
         self.log_every = log_every  # frames between lines of metrics.jsonl (at least)
-        self.ranks = ranks  # the other ranks of a torch.distributed launch, or None
-        self.global_step = global_step
-        self.version = policy_version  # learns so far (a resumed run continues the count)
-        policy = algo.policy
-        self.obs_spec = obs_spec_of(policy.obs_spec)
-        self.action_shape = (policy.action_horizon, policy.action_dim)
-        self.action_dtype = np.float32 if policy.num_actions is None else np.int64
-        self.metadata = {"message_type": "metadata", "protocol_version": PROTOCOL_VERSION,
-                         "policy": names[0], "algorithm": names[1],
-                         "obs_spec": {key: {"shape": list(shape), "dtype": dtype.str}
-                                      for key, (shape, dtype) in self.obs_spec.items()},
-                         "action_dim": policy.action_dim, "num_actions": policy.num_actions,
-                         "action_horizon": policy.action_horizon}
-        self.connections = set()  # the open ones; a closed or rejected one leaves at once
-        self.connection_numbers = itertools.count(1)  # Connection.number: in the order they came
-        self.inbox, self.waiting = [], []  # checked messages, in arrival order; waiting infers
-        self.wake = asyncio.Event()  # set by every message, and twice a second by tick()
-        self.stop_requested, self.status = False, 0  # status 1: a local env client failed
-        self.signalled_at = None  # when the first SIGINT or SIGTERM came
-        self.loop = None  # run()'s event loop, for a signal handler to wake
-        self.ended = None  # run()'s status, once it has returned
-        self.saved = []  # the checkpoints this run wrote, oldest first: pruning deletes no other
-        self.learning_seconds = 0.0  # in learns so far: the serving clock stands still in them
-        self.learned_frames = 0  # self.frames then: a learn's work grows with the frames since
-        self.tasks = set()  # background tasks (asyncio keeps only weak references to them)
-        self.local_clients = []  # (number, process, log path) of the --local-env-clients
-        self.resumed_version = policy_version  # learns before this process: version counts all
-        self.infer_calls = self.inferred_envs = 0
-        self.frames = 0  # routed since the start
-        # The next line of metrics.jsonl: key -> [sum of weighted values, sum of weights], ...
-        self.window, self.window_episodes, self.discarded = {}, 0, 0
-        self.logged_at = 0  # self.frames at the last line
+        self.resumed_version = policy_version  # learns before this process
+        # The next line: key -> [sum of weighted values, sum of weights], and its episodes.
+        self.window, self.window_episodes = {}, 0
+        self.logged_at = self.discarded_at = 0  # server.frames, .discarded at the last line
+        self.infer_calls = self.inferred_envs = 0  # for server/mean_batch_size
         self.last_reward = float("nan")  # of the newest line that saw episodes, for the progress
-        self.trace_left = trace  # frames still to narrate (--trace)
-        self.metrics_file = self.tensorboard = None  # open while run() runs
+        self.metrics_file = None  # open while the server runs
+        self.tensorboard = None  # [tensorboard]
         self.started = self.shown_at = time.perf_counter()
-        self.threads = LearnThreads(learn_threads, TORCH_THREADS)
-        # Every learn() runs in this one OS thread (torch's thread count is per OS thread); the
-        # event loop's thread infers with one, the fastest for small batches.
-        self.learn_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="learn")
 
-    async def run(self, host: str, port: int, on_listening=None) -> int:
-        """Serve until should_stop() or a signal (status 0), or a local client or hook fails (1).
-        Tasks: handle_client per connection (and reject), this one's control_loop, and tick.
-        on_listening(port) runs once the port is taken, before anything is written."""
-        self.loop = asyncio.get_running_loop()
-        # A ping every --feedback-timeout s keeps idle connections open; a late pong closes none:
-        # drop_silent_clients is the one rule for a client that went silent.
-        with naming(f"cannot listen on {host}:{port}"):  # the bind alone: the port is taken...
-            server = await websockets_serve(self.handle_client, host, port, compression=None,
-                                            max_size=self.max_message_bytes, ping_timeout=None,
-                                            process_request=self.check_token,
-                                            ping_interval=self.feedback_timeout)
-        async with server:
-            self.open_run(server.sockets, on_listening)
-            with open_metrics(self.run_dir) as self.metrics_file:
-                ticker = asyncio.create_task(self.tick())
-                try:
-                    await self.control_loop()
-                    code, reason, status = 1000, RUN_FINISHED, self.status
-                except Exception as error:  # a hook raised: no checkpoint is written after it
-                    print_failure(error)
-                    code, reason, status = 1011, f"{SERVER_FAILED}: {type(error).__name__}", 1
-                ticker.cancel()
-                # Stop accepting first, then close every open connection with the reason, the
-                # newest too; a handshake still in progress is refused (HTTP 503).
-                server.close(code=code, reason=reason)
-                await server.wait_closed()
-                if code == 1000 and self.frames:  # what the last learns and episodes logged
-                    self.add_to_window(self.algo.build_train_info(self.global_step, {})[1])
-                    self.write_metrics("end")
-        self.ended = self.finish_run(code, reason, status)
-        return self.ended
+    def open(self, run_dir: str) -> None:
+        """metrics.jsonl, appended to a line at a time (a resumed run continues it)."""
+        path = os.path.join(run_dir, "metrics.jsonl")
+        with naming(f"cannot open {path}"):
+            self.metrics_file = open(path, "a", buffering=1)
+        self.tensorboard = open_tensorboard(run_dir)  # [tensorboard]
 
-    async def handle_client(self, ws) -> None:
-        """Send the metadata, then check and queue every message; a bad one closes this one."""
-        conn = Connection(ws, next(self.connection_numbers))
-        self.connections.add(conn)
-        try:
-            await ws.send(pack_message(self.metadata))
-            async for frame in ws:
-                try:
-                    self.inbox.append(self.accept(conn, unpack_message(frame)))
-                except Exception as error:  # whatever a client sends costs only its connection
-                    if not isinstance(error, ProtocolError):
-                        error = ProtocolError(f"malformed message ({type(error).__name__}: "
-                                              f"{error})")
-                    await self.reject(conn, error)
-                    return
-                self.wake.set()
-        except websockets.ConnectionClosed:
-            pass
-        finally:
-            # Its queued infers are skipped; its feedback already queued was whole, and counts.
-            self.connections.discard(conn)
+    def close(self) -> None:
+        """Close the run's files (none is open before open())."""
+        if self.metrics_file is not None:
+            self.metrics_file.close()
+        if self.tensorboard is not None:  # [tensorboard]
+            self.tensorboard.close()  # [tensorboard]
 
-    def accept(self, conn: Connection, message: dict) -> InferRequest | FeedbackMessage:
-        """Check a message, queue it, and move its environments on. A feedback takes each
-        environment's step state out of its slot now: the environment may infer again at once."""
-        kind, env_ids = check_message(message, self.obs_spec)
-        if kind == "infer":
-            self.check_env_cap(conn, env_ids)  # one client must not hold the loop for everyone
-            # The plain form, conn.slots.setdefault(i, EnvSlot()), builds a slot at every call.
-            slots = [conn.slots.get(i) or conn.slots.setdefault(i, EnvSlot()) for i in env_ids]
-            for i, slot in zip(env_ids, slots):
-                if slot.waiting or slot.step is not None:
-                    owes = "waits for its last action" if slot.waiting else "owes feedback"
-                    raise ProtocolError(f"infer: environment {i} {owes}",
-                                        "send feedback after every action, then infer")
-                slot.waiting = True
-            return InferRequest(conn, message["env_indices"], message["obs"])
-        slots = [conn.slots.get(i) for i in env_ids]
-        steps = [slot and slot.step for slot in slots]
-        if None in steps:
-            raise ProtocolError("feedback: an environment in env_indices has no action to "
-                                "answer", "send feedback only for environments given an action")
-        for slot in slots:
-            slot.step = None
-        conn.heard_at = self.serving_clock()
-        m = len(slots)
-        rows = zip(env_ids, slots, steps, split_rows(message["obs"], m),
-                   split_rows(message["reward"], m),  # floats, or [k] rows
-                   message["terminated"].tolist(), message["truncated"].tolist(),
-                   split_rows(message.get("info", {}), m))
-        return FeedbackMessage(conn, [Frame(*row) for row in rows])
+    def learns(self, server) -> int:
+        """The learns of this process (a resumed run's policy version counts the earlier too)."""
+        return server.version - self.resumed_version
 
-    async def control_loop(self) -> None:
-        """Route feedback; learn while should_learn(); save; stop; answer the waiting infers."""
-        while True:
-            await self.wake.wait()
-            self.wake.clear()
-            for item in self.inbox:  # no await in this loop: no message can arrive during it
-                if isinstance(item, FeedbackMessage):
-                    self.route_feedback(item)
-                else:
-                    self.waiting.append(item)
-            self.inbox = []
-            # No inference while should_learn() is true: learn() runs in another thread and
-            # changes the weights infer() reads, and an action drawn now would come from a policy
-            # about to be replaced (an on-policy learner would only discard its frame). If
-            # should_learn() stays true, learn again: the page's symptom when it never turns false.
-            while self.algo.should_learn() and not self.stop_requested:
-                await self.learn_once()
-            stop = self.stop_requested or self.algo.should_stop()
-            if self.frames and (stop or self.algo.should_save()):  # none for a run of no frame
-                self.save()  # create_checkpoint(), and the server's counters beside, to disk
-            if stop:
-                return
-            await self.infer_waiting()
-            self.watch_local_clients()
-            self.drop_silent_clients()
-            self.show_progress()
-
-    async def infer_waiting(self) -> None:
-        """One infer() for every waiting client: concatenate, infer, derive, split, send."""
-        requests = [request for request in self.waiting if request.conn in self.connections]
-        self.waiting = []
-        if not requests:
-            return
-        obs = {key: np.concatenate([request.obs[key] for request in requests])
-               for key in self.obs_spec}
-        n = sum(len(request.env_indices) for request in requests)
-        action, runtime_state = self.algo.infer(obs)
-        action = np.asarray(action, self.action_dtype)  # as the wire sends it
-        if action.shape != (n, *self.action_shape):  # the algorithm's own bug: the run fails
-            raise RuntimeError(f"infer returned actions {list(action.shape)}, expected "
-                               f"{[n, *self.action_shape]}")
-        train_state = self.algo.derive_train_state(runtime_state)
-        # Each environment's rows, cut once for the whole batch (views, not copies; a 1-d
-        # field's row is a Python number).
-        batch = InferBatch(self.version, action, split_rows(obs, n), split_rows(runtime_state, n),
-                           split_rows(train_state, n))
+    def count_batch(self, n: int) -> None:
+        """One infer() of n environments."""
         self.infer_calls += 1
         self.inferred_envs += n
-        now = self.serving_clock()
-        row = 0
-        for request in requests:
-            first = row
-            for i in request.env_indices.tolist():
-                slot = request.conn.slots[i]
-                slot.waiting = False
-                slot.step = StepState(batch, row)
-                row += 1
-            request.conn.heard_at = now
-            reply = {"message_type": "action", "env_indices": request.env_indices,
-                     "action": action[first:row]}
-            with contextlib.suppress(websockets.ConnectionClosed):
-                await request.conn.ws.send(pack_message(reply))
 
-    def route_feedback(self, message: FeedbackMessage) -> None:
-        """The routing rule: feedback() for frames the algorithm stores, discard_feedback() else."""
-        for frame in message.frames:
-            slot = frame.slot
-            step = frame.step
-            # An on-policy gradient averages over actions of the policy being improved. A frame
-            # whose action came from an older version (stale), or one that arrives once a learn
-            # is due (its batch is full), would bias it: discard_feedback only counts its episode.
-            stale = step.batch.version != self.version
-            discard = self.algo.on_policy and (stale or self.algo.should_learn())
-            if discard:
-                self.algo.discard_feedback(info=frame.info, next_terminated=frame.next_terminated,
-                                           next_truncated=frame.next_truncated)
-                node = NO_NODE  # the chain of this environment's stored frames is broken
-                self.discarded += 1
-            else:
-                # terminated/truncated: how the slot's previous frame ended; next_*: this one.
-                batch = step.batch
-                node, self.global_step, log = self.algo.feedback(
-                    obs=batch.obs[step.row], runtime_state=batch.runtime_state[step.row],
-                    train_state=batch.train_state[step.row], terminated=slot.terminated,
-                    truncated=slot.truncated, next_obs=frame.next_obs, reward=frame.reward,
-                    info=frame.info, next_terminated=frame.next_terminated,
-                    next_truncated=frame.next_truncated, prev_node=slot.prev_node)
-                if log:
-                    self.add_to_window(log)
-            if self.trace_left > 0:  # --trace N: the first N frames
-                self.trace_frame(message.conn, frame, node, discard, stale)
-            slot.prev_node = node
-            slot.terminated = frame.next_terminated
-            slot.truncated = frame.next_truncated
-        self.frames += len(message.frames)
-
-    async def learn_once(self) -> None:
-        """pre_learn, learn() in the learn thread, post_learn; messages queue, none is answered."""
-        loop = asyncio.get_running_loop()
-        started = time.monotonic()
-        if self.ranks is not None:  # several ranks: each gets the batch, then all learn at once
-            await loop.run_in_executor(self.learn_executor, self.ranks.send_learn, self.algo,
-                                       self.threads.choose())
-        self.algo.pre_learn()
-        self.global_step, log = await loop.run_in_executor(self.learn_executor, self.timed_learn)
-        self.algo.post_learn()
-        self.learning_seconds += time.monotonic() - started  # the serving clock stood still
-        self.version += 1
-        if self.trace_left > 0:
-            print(f"trace: learn {self.learns} -> policy version {self.version}", flush=True)
-        self.add_to_window(log)
-        if self.frames - self.logged_at >= self.log_every:
-            self.write_metrics("learn")
-        self.show_progress()  # also while should_learn() stays true and no frame comes
-
-    def request_stop(self) -> None:
-        """Stop after the learn in progress: a final checkpoint, the clients told."""
-        self.stop_requested = True
-        self.wake.set()
-
-    def on_signal(self, *_) -> None:
-        """SIGINT or SIGTERM: stop cleanly. Copies within a second are the same request (timeout,
-        docker stop, Slurm and a terminal's Ctrl-C send several); a later one quits at once.
-        A plain handler (signal.signal), installed by the command line until the process exits:
-        it runs between two lines of the loop's thread, a final save's too, and after the loop."""
-        now = time.monotonic()
-        if self.signalled_at is not None:
-            if now - self.signalled_at < 1.0:
-                return
-            if self.ended is not None:  # the run is over and saved: nothing is left to lose
-                os._exit(self.ended)
-            print("\nstopped again: exiting now, without a final checkpoint", file=sys.stderr,
-                  flush=True)
-            os._exit(130)
-        self.signalled_at = now
-        print("\nstopping: a final checkpoint once the learn in progress (if any) ends; "
-              "Ctrl-C again quits without one", file=sys.stderr, flush=True)
-        self.stop_requested = True
-        if self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.wake.set)
-
-    # --- Second reading: the run's files, the wire's details, timeouts and progress ----------
-
-    def save(self) -> None:
-        """A checkpoint; then this run's own older ones are pruned (the newest three stay)."""
-        counters = {"global_step": self.global_step, "policy_version": self.version}
-        path = save_checkpoint(self.run_dir, self.algo.create_checkpoint(), counters)
-        self.saved = [old for old in self.saved if old != path] + [path]
-        for old in self.saved[:-3]:
-            os.remove(old)
-        self.saved = self.saved[-3:]
-
-    def timed_learn(self) -> tuple[int, dict]:
-        """learn() in the learn thread, on the torch threads LearnThreads chose, and timed."""
-        threads = self.threads.choose()
-        torch.set_num_threads(threads)  # cheap, and per OS thread: inference keeps its one
-        started = time.perf_counter()
-        before = cpu_ticks()
-        global_step, log = self.algo.learn()
-        seconds = time.perf_counter() - started
-        after = cpu_ticks()
-        ticks = (after[0] - before[0], after[1] - before[1]) if before and after else None
-        warning = self.threads.record(threads, seconds, self.frames - self.learned_frames, ticks)
-        if warning:
-            print(f"\nwarning: {warning}", file=sys.stderr, flush=True)
-        self.learned_frames = self.frames
-        return global_step, {**log, "server/learn_seconds": seconds}  # averaged, as train/* are
-
-    def open_run(self, sockets: list, on_listening) -> None:
-        """Say where it listens, as a URL; on_listening(port); then open TensorBoard's files.
-        With --host '' and --port 0 each family has a port of its own: IPv4's is the one told."""
-        ipv4 = [sock for sock in sockets if sock.family == socket.AF_INET]
-        host, port = (ipv4 or sockets)[0].getsockname()[:2]
-        print(f"listening on ws://{f'[{host}]' if ':' in host else host}:{port}", flush=True)
-        if on_listening is not None:
-            on_listening(port)
-        os.makedirs(self.run_dir, exist_ok=True)
-        self.tensorboard = open_tensorboard(self.run_dir)
-
-    def finish_run(self, code: int, reason: str, status: int) -> int:
-        """After the clients were told: the other ranks stop, the run's report; the status."""
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-        try:  # the other ranks are told last: a dead one cannot keep the clients waiting
-            if self.ranks is not None:
-                self.ranks.broadcast({"order": "stop"})
-        except RuntimeError as error:
-            print(f"error: a learner rank is gone ({str(error).splitlines()[0]})", file=sys.stderr)
-            status = 1
-        print(f"\n{reason}: global step {self.global_step}, {self.learns} learns", flush=True)
-        if code == 1000:
-            print(report([self.run_dir]) if self.frames else "no frame was served: no "
-                  "checkpoint or metrics line was written", flush=True)
-        return status
-
-    def add_to_window(self, log: dict) -> None:
+    def add(self, log: dict) -> None:
         """Count a learn's log, or a frame's feedback log, into the next line of metrics.jsonl.
         rollout/* are means over the log's rollout/episodes: weighted by them, they stay exact."""
         episodes = log.get("rollout/episodes", 0)
@@ -1332,149 +1413,86 @@ class Server:
                 total[0] += weight * float(value)
                 total[1] += weight
 
-    def write_metrics(self, event: str) -> None:
+    def learned(self, server, log: dict) -> None:
+        """After a learn: its log counts; a line is written once --log-every frames were routed."""
+        self.add(log)
+        if server.frames - self.logged_at >= self.log_every:
+            self.write(server, "learn")
+        self.show_progress(server)  # also while should_learn() stays true and no frame comes
+
+    def write(self, server, event: str) -> None:
         """One line of metrics.jsonl (and TensorBoard) for the frames since the last line: the
         mean of every value learn and feedback returned, rollout/* over the episodes that ended."""
         elapsed = time.perf_counter() - self.started
         means = {key: total / weight for key, (total, weight) in self.window.items()}
         rollout = {key: means.pop(key, 0.0)  # 0 when no episode ended
                    for key in ("rollout/reward", "rollout/length", "rollout/success")}
+        frames = server.frames - self.logged_at
+        discarded = server.discarded - self.discarded_at
         metrics = {**means, **rollout, "rollout/episodes": self.window_episodes,
-                   "server/fed": self.frames - self.logged_at - self.discarded,  # the rest routed
-                   "server/discarded": self.discarded, "server/frames": self.frames,
-                   "server/policy_version": self.version, "server/fps": self.frames / elapsed,
+                   "server/fed": frames - discarded, "server/discarded": discarded,
+                   "server/frames": server.frames, "server/policy_version": server.version,
+                   "server/fps": server.frames / elapsed,
                    "server/mean_batch_size": self.inferred_envs / max(self.infer_calls, 1)}
-        line = {"event": event, "step": self.global_step, "time": round(elapsed, 3), **metrics}
+        line = {"event": event, "step": server.global_step, "time": round(elapsed, 3), **metrics}
         with naming(f"cannot write {self.metrics_file.name}"):
             self.metrics_file.write(json.dumps(line) + "\n")
-        for key, value in metrics.items():  # TensorBoard: no rollout/* point without episodes
-            if self.tensorboard is not None and (self.window_episodes or
-                                                  not key.startswith("rollout/")):
-                self.tensorboard.add_scalar(key, value, self.global_step)
+        if self.tensorboard is not None:  # [tensorboard]
+            write_scalars(self.tensorboard, metrics, server.global_step)  # [tensorboard]
         if self.window_episodes:
             self.last_reward = rollout["rollout/reward"]
-        self.window, self.window_episodes, self.discarded = {}, 0, 0
-        self.logged_at = self.frames
+        self.window, self.window_episodes = {}, 0
+        self.logged_at, self.discarded_at = server.frames, server.discarded
 
-    def trace_frame(self, conn: Connection, frame: Frame, node: tuple, discard: bool,
-                    stale: bool) -> None:
-        """--trace: one line on one frame, from its infer batch to where its feedback went."""
-        self.trace_left -= 1
-        step = frame.step
-        action = np.array2string(step.batch.action[step.row].ravel(), precision=3)
-        where = ("feedback (off-policy: every frame is stored)" if not self.algo.on_policy
-                 else "feedback (acted with the current version)" if not discard
-                 else f"discard_feedback (stale: acted with version {step.batch.version}, the "
-                      f"policy is version {self.version})" if stale
-                 else "discard_feedback (learn due: should_learn() is true)")
-        print(f"trace: conn {conn.number} env {frame.env_index} | infer batch of "
-              f"{len(step.batch.action)} at version {step.batch.version} | action {action} | "
-              f"-> {where} | prev_node {frame.slot.prev_node} -> {node}", flush=True)
-
-    def check_token(self, connection, request):
-        """Refuse, at the handshake, a client without the run's token (HTTP 401)."""
-        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        if self.token is None or hmac.compare_digest(given, f"Bearer {self.token}".encode()):
-            return None  # compare_digest compares in constant time
-        return connection.respond(401, "missing or wrong token\n")
-
-    async def reject(self, conn: Connection, error: ProtocolError) -> None:
-        """Tell the client what was wrong, then close its connection (and no other)."""
-        self.connections.discard(conn)
-        reply = {"message_type": "error", "message": str(error), "hint": error.hint}
-        with contextlib.suppress(websockets.ConnectionClosed):
-            await conn.ws.send(pack_message(reply))
-            await conn.ws.close(1008, str(error).encode()[:120].decode(errors="ignore"))
-
-    def watch_local_clients(self) -> None:
-        """A local env client (--local-env-clients) that failed stops the run, with status 1."""
-        for number, process, log_path in self.local_clients:
-            if process.poll() not in (None, 0) and not self.stop_requested:
-                with open(log_path, errors="replace") as log:
-                    last = ([line.strip() for line in log if line.strip()] or ["(no output)"])[-1]
-                print(f"\nerror: local env client {number} exited with status "
-                      f"{process.returncode}: {last} (its log: {log_path})", file=sys.stderr)
-                self.status = 1
-                self.request_stop()
-
-    @property
-    def learns(self) -> int:
-        """The learns of this process (a resumed run's policy version counts the earlier too)."""
-        return self.version - self.resumed_version
-
-    def check_env_cap(self, conn: Connection, env_ids: list) -> None:
-        """Refuse an infer that gives a connection more than --max-envs-per-client environments."""
-        if len(conn.slots) + len(env_ids) > self.max_envs and len(
-                conn.slots.keys() | set(env_ids)) > self.max_envs:  # counted only near the cap
-            raise ProtocolError(f"infer: a connection may use at most {self.max_envs} "
-                                "environments (the server's --max-envs-per-client)",
-                                "step fewer environments per client, or start more clients")
-
-    def serving_clock(self) -> float:
-        """Seconds of serving: a clock that stands still while the server learns."""
-        return time.monotonic() - self.learning_seconds
-
-    def drop_silent_clients(self) -> None:
-        """Drop a client that owes feedback for --feedback-timeout s of serving time."""
-        limit = self.serving_clock() - self.feedback_timeout
-        for conn in list(self.connections):
-            if conn.heard_at < limit and any(slot.step is not None for slot in conn.slots.values()):
-                self.connections.discard(conn)  # once: the task below runs after this pass
-                error = ProtocolError(f"{SILENT}: no feedback for {self.feedback_timeout:g} s "
-                                      "of serving", "send feedback after every action")
-                task = asyncio.create_task(self.reject(conn, error))
-                self.tasks.add(task)
-                task.add_done_callback(self.tasks.discard)
-
-    def show_progress(self) -> None:
+    def show_progress(self, server) -> None:
         """A progress line: in place every second on a terminal, every 10 s otherwise."""
         now, tty = time.perf_counter(), sys.stdout.isatty()
         if now - self.shown_at < (1.0 if tty else 10.0):
             return
         self.shown_at = now
-        seconds, threads = self.threads.last
         batch = self.inferred_envs / max(self.infer_calls, 1)
-        line = (f"step {self.global_step}/{self.algo.config.global_steps} | "
-                f"{self.frames / (now - self.started):.0f} fps | rollout/reward "
-                f"{self.last_reward:.2f} | batch {batch:.1f} | {self.learns} learns | learn "
-                f"{1000 * seconds:.1f} ms, {threads} thread{'s' * (threads > 1)}")
+        line = (f"step {server.global_step}/{server.algo.config.global_steps} | "
+                f"{server.frames / (now - self.started):.0f} fps | rollout/reward "
+                f"{self.last_reward:.2f} | batch {batch:.1f} | {self.learns(server)} learns")
+        line += server.threads.progress()  # [learn-threads]
         print("\r" + line if tty else line, end="" if tty else "\n", flush=True)
 
-    async def tick(self) -> None:
-        """Wake the control loop twice a second: timeouts, progress and should_stop when idle."""
-        while True:
-            await asyncio.sleep(0.5)
-            if self.ranks is not None and self.ranks.launcher_gone() and not self.stop_requested:
-                print("\nthe launcher is gone: stopping as on SIGTERM", file=sys.stderr, flush=True)
-                self.request_stop()
-            self.wake.set()
+
+def open_run(server, sockets: list, on_listening) -> None:
+    """Say where it listens, as a URL; on_listening(port); then open the run's files.
+    With --host '' and --port 0 each family has a port of its own: IPv4's is the one told."""
+    ipv4 = [sock for sock in sockets if sock.family == socket.AF_INET]
+    host, port = (ipv4 or sockets)[0].getsockname()[:2]
+    print(f"listening on ws://{f'[{host}]' if ':' in host else host}:{port}", flush=True)
+    if on_listening is not None:
+        on_listening(port)
+    os.makedirs(server.run_dir, exist_ok=True)
+    server.record.open(server.run_dir)
 
 
-# --- The run directory: checkpoints, metrics.jsonl, TensorBoard, the report -------------------
+def finish_run(server, code: int, reason: str, status: int) -> int:
+    """After the clients were told: the end line of metrics.jsonl, the other ranks stopped, the
+    run's report; the exit status."""
+    record = server.record
+    if code == 1000 and server.frames:  # what the last learns and episodes logged
+        record.add(server.algo.build_train_info(server.global_step, {})[1])
+        record.write(server, "end")
+    record.close()
+    status = stop_ranks(server.ranks, status)  # [ranks] told last: no dead rank holds a client
+    print(f"\n{reason}: global step {server.global_step}, {record.learns(server)} learns",
+          flush=True)
+    if code == 1000 and not server.frames:
+        print("no frame was served: no checkpoint or metrics line was written", flush=True)
+    elif code == 1000:  # [report]
+        print(report([server.run_dir]), flush=True)  # [report]
+    return status
 
-def save_checkpoint(run_dir: str, checkpoint: Checkpoint, server_counters: dict) -> str:
-    """Write a checkpoint to a temporary file, then rename it: a crash never damages the last."""
-    folder = os.path.join(run_dir, "checkpoints")
-    with naming(f"cannot make {folder}"):
-        os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"step_{checkpoint.step:012d}.pt")
-    payload = {**vars(checkpoint), "server": server_counters}  # asdict would copy every tensor
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    buffer.seek(0)
-    try:  # a checkpoint that cannot be resumed from must fail the run now, not at --resume
-        torch.load(buffer, weights_only=True)
-    except Exception as error:
-        raise TypeError("create_checkpoint returned a value that torch.load(weights_only=True) "
-                        "refuses: keep tensors and plain Python values (numpy scalars and "
-                        "arrays are the usual culprits)") from error
-    temporary = f"{path}.{os.getpid()}.tmp"  # no other process writes this name
-    with naming(f"cannot write the checkpoint {path}"), open(temporary, "wb") as file:
-        file.write(buffer.getbuffer())
-        file.flush()
-        os.fsync(file.fileno())
-        os.replace(temporary, path)
-    return path
+
+async def tick(wake: asyncio.Event) -> None:
+    """Wake the control loop twice a second: timeouts, progress and should_stop when idle."""
+    while True:
+        await asyncio.sleep(0.5)
+        wake.set()
 
 
 class CommandError(Exception):
@@ -1488,13 +1506,6 @@ def naming(what: str):
         yield
     except OSError as error:
         raise CommandError(f"{what}: {error.strerror or error}") from None
-
-
-def open_metrics(run_dir: str):
-    """The run's metrics.jsonl, appended to, a line at a time (a resumed run continues it)."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    with naming(f"cannot open {path}"):
-        return open(path, "a", buffering=1)
 
 
 def print_failure(error: Exception) -> None:
@@ -1524,6 +1535,346 @@ def load_newest_checkpoint(run_dir: str) -> tuple[Checkpoint, dict]:
     raise FileNotFoundError(f"nothing to resume in {run_dir}: no loadable checkpoints/step_*.pt")
 
 
+# ===== [learn-threads] How many torch threads a learn gets: one, or all, faster now =====
+# plugrl_min's own: the PlugRL page leaves threads to the server. Cut: learns run on torch's
+# default count (all cores), as a plain script's would.
+
+TORCH_THREADS = torch.get_num_threads()  # torch's own count, before the server sets its own
+
+
+class LearnThreads:
+    """How many torch threads each learn() gets: --learn-threads N, or the faster of 1 and all.
+    All threads learn faster on idle cores, but each waits, spinning, for the others after every
+    operation: once another process takes a core, learns get two to a hundred times slower. So
+    blocks of learns are timed (per frame: a learn's work grows with the frames it follows), on
+    one thread first, then on all; the other count is tried again after 1 s of learning (twice
+    as long after each try that lost), or at once when a block is 1.5x slower than the last. All
+    threads are tried only while the cores they need sat idle during the learns (from
+    /proc/stat), and a try whose first learn takes twice as long per frame stops there."""
+
+    BLOCK = 11  # learns per timed block; the first waits for sleeping threads: not counted
+
+    def __init__(self, fixed: int | None, most: int = 1):
+        self.counts = [fixed] if fixed else sorted({1, most})
+        self.current = self.counts[0]  # one thread first: the safe choice on a busy machine
+        self.trying = None  # the other count, while a block of it is timed
+        self.cost, self.block = {}, []  # count -> seconds per frame; this block's (s, frames)
+        self.learning, self.try_at, self.wait = 0.0, 0.0, 1.0  # seconds of learning: the clock
+        self.fastest, self.warned, self.last = math.inf, False, (0.0, 1)  # last: for progress
+        self.ticks = [0, 0]  # idle and all clock ticks of the machine in learns since a try
+        self.learned_frames = 0  # the server's frames at the last learn
+
+    def choose(self) -> int:
+        """The thread count for the next learn."""
+        return self.trying or self.current
+
+    def timed(self, learn, frames: int):
+        """learn, wrapped to run in the learn thread on the count chosen now, timed and recorded
+        (frames: the server's count of routed frames, which a learn's work grows with)."""
+        def timed_learn():
+            threads = self.choose()
+            torch.set_num_threads(threads)  # cheap, and per OS thread: inference keeps its one
+            started = time.perf_counter()
+            before = cpu_ticks()
+            result = learn()
+            seconds = time.perf_counter() - started
+            after = cpu_ticks()
+            ticks = (after[0] - before[0], after[1] - before[1]) if before and after else None
+            warning = self.record(threads, seconds, frames - self.learned_frames, ticks)
+            if warning:
+                print(f"\nwarning: {warning}", file=sys.stderr, flush=True)
+            self.learned_frames = frames
+            return result
+        return timed_learn
+
+    def progress(self) -> str:
+        """The progress line's part: the last learn's time and thread count."""
+        seconds, threads = self.last
+        return f" | learn {1000 * seconds:.1f} ms, {threads} thread{'s' * (threads > 1)}"
+
+    def record(self, threads: int, seconds: float, frames: int,
+               ticks: tuple[int, int] | None = None) -> str | None:
+        """Time one learn (ticks: the machine's idle and all clock ticks during it, if known);
+        a warning, once, when learns got much slower than at their fastest."""
+        self.last = (seconds, threads)
+        if not frames:  # a learn again, with no frame since: none of its work is the frames'
+            return None
+        self.learning += seconds
+        self.block.append((seconds, frames))
+        if ticks is not None and self.trying is None:
+            self.ticks = [self.ticks[0] + ticks[0], self.ticks[1] + ticks[1]]
+        counted = self.block[1:] or self.block  # a try's first learn: only to stop it at once
+        cost = sum(s for s, _ in counted) / max(sum(f for _, f in counted), 1)
+        if self.trying is not None:
+            return self.end_try(cost) if self.lost(cost) else None
+        if len(self.block) < self.BLOCK:
+            return None
+        self.block = []
+        slower = cost > 1.5 * self.cost.get(threads, math.inf)
+        self.cost[threads] = cost
+        if len(self.counts) > 1 and (slower or self.learning >= self.try_at):
+            other = next(count for count in self.counts if count != self.current)
+            if other < self.current or self.cores_idle():
+                self.trying = other
+            else:  # the cores are taken: a try of all threads would only slow every process
+                self.after_try(won=False)
+        return self.warning(cost)
+
+    def lost(self, cost: float) -> bool:
+        """True once the try has run its block, or is clearly slower than the current count."""
+        first = len(self.block) == 1 and cost > 2 * self.cost[self.current]
+        losing = len(self.block) >= 3 and cost > 1.5 * self.cost[self.current]
+        return first or losing or len(self.block) >= self.BLOCK
+
+    def end_try(self, cost: float) -> str | None:
+        """A tried count must be clearly faster to take over; its cost counts for the warning."""
+        won = len(self.block) >= self.BLOCK and cost < 0.95 * self.cost[self.current]
+        self.current, self.trying, self.block = self.trying if won else self.current, None, []
+        self.after_try(won)
+        return self.warning(cost)
+
+    def after_try(self, won: bool) -> None:
+        """After a win, the old count is tried again soon: a win by chance costs little."""
+        self.wait = 1.0 if won else min(2 * self.wait, 160.0)
+        self.try_at = self.learning + self.wait
+        self.ticks = [0, 0]
+
+    def cores_idle(self) -> bool:
+        """Whether the learns since the last try left the cores all threads add mostly idle
+        (unknown, off Linux or before 0.2 s of ticks: yes)."""
+        idle, every = self.ticks
+        if every < 20:
+            return True
+        return (os.cpu_count() or 1) * idle / every >= 0.75 * (max(self.counts) - 1)
+
+    def warning(self, cost: float) -> str | None:
+        """Once: learns now much slower than at their fastest."""
+        self.fastest = min(self.fastest, cost)
+        if cost < 3 * self.fastest or self.warned:
+            return None
+        self.warned = True
+        return (f"learns now take {cost / self.fastest:.1f}x as long as at their fastest: is the "
+                "machine busy? Try --learn-threads 1, or fewer processes beside this one")
+
+
+def cpu_ticks() -> tuple[int, int] | None:
+    """(idle, all) clock ticks of every core since boot, from /proc/stat; None off Linux."""
+    try:
+        with open("/proc/stat") as file:
+            ticks = [int(word) for word in file.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return ticks[3] + ticks[4], sum(ticks)  # idle and iowait, of user .. steal
+
+
+# ===== [ranks] Several learners: the ranks of a torch.distributed launch =====
+# PlugRL page: DDPAlgorithm's hooks, as the server calls them. Rank 0 serves and learns; every
+# other rank learns only. Cut: a launch of several ranks is a one-process run on each.
+
+import atexit
+import datetime
+
+
+class Ranks:
+    """The ranks of a torch.distributed.run launch: rank 0 sends orders (learn, stop) as
+    plugrl_min frames, over a gloo group of their own without a time limit (a learner waits as
+    long as the server idles). A dead rank's sockets close: the others' next call fails."""
+
+    def __init__(self):
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.orders = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=3650))
+        self.launcher = os.getppid()  # torch.distributed.run, the parent of every rank
+
+    def launcher_gone(self) -> bool:
+        """True once the launcher died (kill -9, an out-of-memory killer): this rank is adopted."""
+        return os.getppid() != self.launcher
+
+    def broadcast(self, order: dict | None = None) -> dict:
+        """Rank 0's order to every rank (the others pass none): its length, then its frame."""
+        frame = b"" if order is None else pack_message(order)
+        length = torch.tensor([len(frame)])
+        dist.broadcast(length, 0, group=self.orders)
+        data = torch.frombuffer(bytearray(frame), dtype=torch.uint8) if frame else torch.empty(
+            int(length), dtype=torch.uint8)
+        dist.broadcast(data, 0, group=self.orders)
+        return unpack_message(data.numpy().tobytes())
+
+    def in_step(self, learn, server_data: tuple[int, dict, dict]):
+        """Rank 0's learn, which first sends get_server_data()'s result to every other rank:
+        they learn from the same frames, on the same torch thread count, at the same time."""
+        global_step, meta_info, data = server_data
+
+        def learn_in_step():  # in the learn thread, on the thread count chosen for this learn
+            self.broadcast({"order": "learn", "threads": torch.get_num_threads(),
+                            "global_step": global_step, "meta_info": meta_info, "data": data})
+            return learn()
+        return learn_in_step
+
+
+def join_ranks(algo: BaseAlgorithm, uid: str, device: torch.device, resume: str | None):
+    """Under torch.distributed.run (WORLD_SIZE > 1): join the process group and wrap the
+    networks in DistributedDataParallel. Rank 0 gets its Ranks back and serves; every other rank
+    loads its learner state (with --resume, from the same checkpoint as rank 0), learns in step
+    with rank 0 until it says stop, and exits. None in one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return None
+    if not isinstance(algo, DDPAlgorithm):  # the page's "DDPAlgorithm errors at runtime"
+        hooks = [name for name in vars(DDPAlgorithm) if name in DDPAlgorithm.__abstractmethods__]
+        raise SystemExit(_usage_error(
+            f"{world} ranks need a DDPAlgorithm; {uid!r} is a BaseAlgorithm without "
+            f"{', '.join(hooks)}: run it without torch.distributed.run, or implement them"))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    atexit.register(dist.destroy_process_group)  # left to exit, gloo can abort (SIGABRT)
+    ranks = Ranks()
+    # Every rank wraps, then loads the same checkpoint (on several machines: one disk), so the
+    # weights agree whether or not the run resumes.
+    device_ids = [device.index] if device.type == "cuda" else None
+    algo.activate_ddp(DistributedDataParallel(algo.policy, device_ids=device_ids))
+    watch_launcher(ranks)
+    if ranks.rank == 0:
+        return ranks
+    if resume is not None:  # the other ranks only learn: weights, optimizers and counters
+        algo.load_learner_state(load_newest_checkpoint(resume)[0])
+    raise SystemExit(serve_as_learner(algo, ranks))
+
+
+def serve_as_learner(algo: DDPAlgorithm, ranks: Ranks) -> int:
+    """Every rank but 0: learn in step with rank 0 at each of its orders, until it says stop."""
+    for signum in (signal.SIGINT, signal.SIGTERM):  # rank 0 alone ends the run, with a checkpoint
+        signal.signal(signum, signal.SIG_IGN)
+    print(f"rank {ranks.rank} of {ranks.size} (pid {os.getpid()}): learning with rank 0",
+          flush=True)
+    while True:
+        try:
+            order = ranks.broadcast()
+        except RuntimeError as error:
+            print(f"rank {ranks.rank}: rank 0 is gone ({str(error).splitlines()[0]})",
+                  file=sys.stderr)
+            return 1
+        if order["order"] == "stop":
+            print(f"rank {ranks.rank}: rank 0 ended the run", flush=True)
+            return 0
+        torch.set_num_threads(order["threads"])
+        algo.load_server_data(order["global_step"], order["meta_info"], order["data"])
+        algo.pre_learn()
+        algo.learn()
+        algo.post_learn()
+
+
+def watch_launcher(ranks: Ranks) -> None:
+    """A thread: once the launcher is gone (kill -9, the OOM killer), rank 0 stops as on SIGTERM,
+    with a final checkpoint; another rank gives rank 0's stop order 30 s, then exits."""
+    def watch():
+        while not ranks.launcher_gone():
+            time.sleep(0.5)
+        if ranks.rank == 0:
+            print("\nthe launcher is gone: stopping as on SIGTERM", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        time.sleep(30)
+        print(f"rank {ranks.rank}: the launcher is gone, and rank 0 silent: exiting",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="plugrl-launcher-watch").start()
+
+
+def stop_ranks(ranks: Ranks | None, status: int) -> int:
+    """Rank 0, once its clients were told: the stop order. A rank gone already makes it 1."""
+    if ranks is None:
+        return status
+    try:
+        ranks.broadcast({"order": "stop"})
+    except RuntimeError as error:
+        print(f"error: a learner rank is gone ({str(error).splitlines()[0]})", file=sys.stderr)
+        return 1
+    return status
+
+
+# ===== [trace] --trace N: the contract, watched as it runs =====
+# PlugRL page: the routing rule and prev_node, narrated for the first N frames and their learns.
+
+def trace_frame(server: Server, conn: Connection, frame: Frame, node: tuple, discard: bool,
+                stale: bool) -> None:
+    """One line on one frame, from its infer batch to where its feedback went."""
+    server.trace_left -= 1
+    step = frame.step
+    action = np.array2string(step.batch.action[step.row].ravel(), precision=3)
+    where = ("feedback (off-policy: every frame is stored)" if not server.algo.on_policy
+             else "feedback (acted with the current version)" if not discard
+             else f"discard_feedback (stale: acted with version {step.batch.version}, the "
+                  f"policy is version {server.version})" if stale
+             else "discard_feedback (learn due: should_learn() is true)")
+    print(f"trace: conn {conn.number} env {frame.env_index} | infer batch of "
+          f"{len(step.batch.action)} at version {step.batch.version} | action {action} | "
+          f"-> {where} | prev_node {frame.slot.prev_node} -> {node}", flush=True)
+
+
+def trace_learn(server: Server) -> None:
+    """One line on a learn, while frames are still narrated."""
+    if server.trace_left > 0:
+        print(f"trace: learn {server.record.learns(server)} -> policy version {server.version}",
+              flush=True)
+
+
+# ===== [timeout] A client silent too long is dropped; a ping keeps an idle one open =====
+# plugrl_min's own: a client that dies without closing (a pulled cable, kill -STOP) must not
+# hold its environments' step states forever. Cut: such a client stays until its socket fails.
+
+SILENT = "client silent"  # the close reason's prefix when a client owed feedback too long
+_DROPPING = set()  # the drops in progress: asyncio keeps only weak references to tasks
+
+
+def serving_clock(server: Server) -> float:
+    """Seconds of serving: a clock that stands still while the server learns."""
+    return time.monotonic() - server.learning_seconds
+
+
+def drop_silent_clients(server: Server) -> None:
+    """Drop a client that owes feedback for --feedback-timeout s of serving time."""
+    limit = serving_clock(server) - server.feedback_timeout
+    for conn in list(server.connections):
+        if conn.heard_at < limit and any(slot.step is not None for slot in conn.slots.values()):
+            server.connections.discard(conn)  # once: the task below runs after this pass
+            error = ProtocolError(f"{SILENT}: no feedback for {server.feedback_timeout:g} s "
+                                  "of serving", "send feedback after every action")
+            task = asyncio.create_task(reject(server, conn, error))
+            _DROPPING.add(task)
+            task.add_done_callback(_DROPPING.discard)
+
+
+# ===== [token] --token: only clients that send the run's token connect =====
+# plugrl_min's own: a server on a shared network is reachable by anyone who finds its port.
+
+import hmac
+
+
+def token_check(token: str | None):
+    """websockets' process_request: refuse at the handshake a client without the run's token
+    (HTTP 401). None without a token: every client is let in."""
+    if token is None:
+        return None
+    expected = f"Bearer {token}".encode()
+
+    def check(connection, request):
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if hmac.compare_digest(given, expected):  # in constant time: no hint from the timing
+            return None
+        return connection.respond(401, "missing or wrong token\n")
+    return check
+
+
+def warn_without_token(host: str, token: str | None) -> None:
+    """A server reachable from other machines, with no token, says so."""
+    if host not in ("127.0.0.1", "localhost", "::1") and not token:
+        print(f"warning: serving on {host} without --token: anyone who can reach it can "
+              "connect", file=sys.stderr)
+
+
+# ===== [tensorboard] TensorBoard's curves beside metrics.jsonl =====
+# plugrl_min's own: every line of metrics.jsonl, as scalars, when tensorboard is installed.
+
 def open_tensorboard(run_dir: str):
     """A TensorBoard writer on the run directory, or None without the tensorboard package."""
     try:
@@ -1532,6 +1883,17 @@ def open_tensorboard(run_dir: str):
         return None
     return SummaryWriter(run_dir)
 
+
+def write_scalars(writer, metrics: dict, step: int) -> None:
+    """One metrics line's values at `step`; no rollout/* point for a line without episodes."""
+    for key, value in metrics.items():
+        if metrics["rollout/episodes"] or not key.startswith("rollout/"):
+            writer.add_scalar(key, value, step)
+
+
+# ===== [report] `python plugrl_min.py report RUN_DIR ...`: runs compared, and their chart =====
+# plugrl_min's own: each run ends with its report; the command compares several. Cut: a run ends
+# with its end line alone, and metrics.jsonl is the record.
 
 def read_metrics(run_dir: str) -> list[dict]:
     """The lines of a run directory's metrics.jsonl (ValueError if it has none)."""
@@ -1620,178 +1982,141 @@ def text_chart(curves: dict, rows: int = 12, width: int = 60) -> str:
                       f"{'':10} +{'-' * width}", f"{'':10} 0{right:>{width},}"])
 
 
-# --- How many threads a learn gets: one, or all, whichever is faster now ------------------------
-
-class LearnThreads:
-    """How many torch threads each learn() gets: --learn-threads N, or the faster of 1 and all.
-    All threads learn faster on idle cores, but each waits, spinning, for the others after every
-    operation: once another process takes a core, learns get two to a hundred times slower. So
-    blocks of learns are timed (per frame: a learn's work grows with the frames it follows), on
-    one thread first, then on all; the other count is tried again after 1 s of learning (twice
-    as long after each try that lost), or at once when a block is 1.5x slower than the last. All
-    threads are tried only while the cores they need sat idle during the learns (from
-    /proc/stat), and a try whose first learn takes twice as long per frame stops there."""
-
-    BLOCK = 11  # learns per timed block; the first waits for sleeping threads: not counted
-
-    def __init__(self, fixed: int | None, most: int = 1):
-        self.counts = [fixed] if fixed else sorted({1, most})
-        self.current = self.counts[0]  # one thread first: the safe choice on a busy machine
-        self.trying = None  # the other count, while a block of it is timed
-        self.cost, self.block = {}, []  # count -> seconds per frame; this block's (s, frames)
-        self.learning, self.try_at, self.wait = 0.0, 0.0, 1.0  # seconds of learning: the clock
-        self.fastest, self.warned, self.last = math.inf, False, (0.0, 1)  # last: for progress
-        self.ticks = [0, 0]  # idle and all clock ticks of the machine in learns since a try
-
-    def choose(self) -> int:
-        """The thread count for the next learn."""
-        return self.trying or self.current
-
-    def record(self, threads: int, seconds: float, frames: int,
-               ticks: tuple[int, int] | None = None) -> str | None:
-        """Time one learn (ticks: the machine's idle and all clock ticks during it, if known);
-        a warning, once, when learns got much slower than at their fastest."""
-        self.last = (seconds, threads)
-        if not frames:  # a learn again, with no frame since: none of its work is the frames'
-            return None
-        self.learning += seconds
-        self.block.append((seconds, frames))
-        if ticks is not None and self.trying is None:
-            self.ticks = [self.ticks[0] + ticks[0], self.ticks[1] + ticks[1]]
-        counted = self.block[1:] or self.block  # a try's first learn: only to stop it at once
-        cost = sum(s for s, _ in counted) / max(sum(f for _, f in counted), 1)
-        if self.trying is not None:
-            return self.end_try(cost) if self.lost(cost) else None
-        if len(self.block) < self.BLOCK:
-            return None
-        self.block = []
-        slower = cost > 1.5 * self.cost.get(threads, math.inf)
-        self.cost[threads] = cost
-        if len(self.counts) > 1 and (slower or self.learning >= self.try_at):
-            other = next(count for count in self.counts if count != self.current)
-            if other < self.current or self.cores_idle():
-                self.trying = other
-            else:  # the cores are taken: a try of all threads would only slow every process
-                self.after_try(won=False)
-        return self.warning(cost)
-
-    def lost(self, cost: float) -> bool:
-        """True once the try has run its block, or is clearly slower than the current count."""
-        first = len(self.block) == 1 and cost > 2 * self.cost[self.current]
-        losing = len(self.block) >= 3 and cost > 1.5 * self.cost[self.current]
-        return first or losing or len(self.block) >= self.BLOCK
-
-    def end_try(self, cost: float) -> str | None:
-        """A tried count must be clearly faster to take over; its cost counts for the warning."""
-        won = len(self.block) >= self.BLOCK and cost < 0.95 * self.cost[self.current]
-        self.current, self.trying, self.block = self.trying if won else self.current, None, []
-        self.after_try(won)
-        return self.warning(cost)
-
-    def after_try(self, won: bool) -> None:
-        """After a win, the old count is tried again soon: a win by chance costs little."""
-        self.wait = 1.0 if won else min(2 * self.wait, 160.0)
-        self.try_at = self.learning + self.wait
-        self.ticks = [0, 0]
-
-    def cores_idle(self) -> bool:
-        """Whether the learns since the last try left the cores all threads add mostly idle
-        (unknown, off Linux or before 0.2 s of ticks: yes)."""
-        idle, every = self.ticks
-        if every < 20:
-            return True
-        return (os.cpu_count() or 1) * idle / every >= 0.75 * (max(self.counts) - 1)
-
-    def warning(self, cost: float) -> str | None:
-        """Once: learns now much slower than at their fastest."""
-        self.fastest = min(self.fastest, cost)
-        if cost < 3 * self.fastest or self.warned:
-            return None
-        self.warned = True
-        return (f"learns now take {cost / self.fastest:.1f}x as long as at their fastest: is the "
-                "machine busy? Try --learn-threads 1, or fewer processes beside this one")
-
-
-def cpu_ticks() -> tuple[int, int] | None:
-    """(idle, all) clock ticks of every core since boot, from /proc/stat; None off Linux."""
+def report_main(argv: list[str]) -> int:
+    """python plugrl_min.py report RUN_DIR [RUN_DIR ...] [--reach R]"""
+    parser = argparse.ArgumentParser(prog="python plugrl_min.py report",
+                                     description="Compare runs from their metrics.jsonl.")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    parser.add_argument("--reach", type=float, metavar="R",
+                        help="also the first step at which the last-100+ mean reached R")
+    args = parser.parse_args(argv)
     try:
-        with open("/proc/stat") as file:
-            ticks = [int(word) for word in file.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    return ticks[3] + ticks[4], sum(ticks)  # idle and iowait, of user .. steal
+        print(report(args.run_dirs, args.reach), flush=True)
+    except ValueError as error:
+        return _usage_error(error)
+    except BrokenPipeError:  # `report RUN | head -3`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+    return 0
 
 
-# --- Several learners: the ranks of a torch.distributed launch ---------------------------------
-
-class Ranks:
-    """The ranks of a torch.distributed.run launch: rank 0 sends orders (learn, stop) as
-    plugrl_min frames, over a gloo group of their own without a time limit (a learner waits as
-    long as the server idles). A dead rank's sockets close: the others' next call fails."""
-
-    def __init__(self):
-        self.rank, self.size = dist.get_rank(), dist.get_world_size()
-        self.orders = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=3650))
-        self.launcher = os.getppid()  # torch.distributed.run, the parent of every rank
-
-    def launcher_gone(self) -> bool:
-        """True once the launcher died (kill -9, an out-of-memory killer): this rank is adopted."""
-        return os.getppid() != self.launcher
-
-    def broadcast(self, order: dict | None = None) -> dict:
-        """Rank 0's order to every rank (the others pass none): its length, then its frame."""
-        frame = b"" if order is None else pack_message(order)
-        length = torch.tensor([len(frame)])
-        dist.broadcast(length, 0, group=self.orders)
-        data = torch.frombuffer(bytearray(frame), dtype=torch.uint8) if frame else torch.empty(
-            int(length), dtype=torch.uint8)
-        dist.broadcast(data, 0, group=self.orders)
-        return unpack_message(data.numpy().tobytes())
-
-    def send_learn(self, algo: DDPAlgorithm, threads: int) -> None:
-        """Rank 0, right before its learn: get_server_data() for every other rank."""
-        global_step, meta_info, data = algo.get_server_data()
-        self.broadcast({"order": "learn", "threads": threads, "global_step": global_step,
-                        "meta_info": meta_info, "data": data})
+# ===== [notebook] In a notebook: the server on a thread of its own, Interrupt as Ctrl-C =====
+# plugrl_min's own: a kernel runs an event loop already, and its signals are the kernel's. Cut:
+# main([...]) in a cell fails in asyncio.run, as a plain script's would.
 
 
-def serve_as_learner(algo: DDPAlgorithm, ranks: Ranks) -> int:
-    """Every rank but 0: learn in step with rank 0 at each of its orders, until it says stop."""
-    for signum in (signal.SIGINT, signal.SIGTERM):  # rank 0 alone ends the run, with a checkpoint
-        signal.signal(signum, signal.SIG_IGN)
+def in_a_notebook() -> bool:
+    """True in a notebook cell (its kernel runs an event loop in this thread already), or off
+    the main thread: either way the signals are not the server's to take."""
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        return threading.current_thread() is not threading.main_thread()
 
-    def exit_when_orphaned():  # rank 0 sees the launcher gone too: its stop order comes first
-        while not ranks.launcher_gone():
-            time.sleep(0.5)
-        time.sleep(30)
-        print(f"rank {ranks.rank}: the launcher is gone, and rank 0 silent: exiting",
-              file=sys.stderr, flush=True)
-        os._exit(1)
 
-    threading.Thread(target=exit_when_orphaned, daemon=True).start()
-    print(f"rank {ranks.rank} of {ranks.size} (pid {os.getpid()}): learning with rank 0",
-          flush=True)
-    while True:
+class Serving:
+    """A run served on a thread of its own (a kernel's loop is busy with the notebook): wait()
+    blocks like the command line, and the kernel's Interrupt acts as Ctrl-C: once, a clean
+    stop with the final checkpoint; again a second later, a stop at once without one (130)."""
+
+    def __init__(self, server: Server, host: str, port: int, start):
+        self.server, self.status, self.task = server, None, None
+        self.started = threading.Event()  # the run directory is claimed, or the run failed
+        self.done = threading.Event()
+
+        def claimed(port: int) -> None:
+            start(port)
+            self.started.set()
+
+        self.thread = threading.Thread(target=self.serve, args=(host, port, claimed),
+                                       name="plugrl-server", daemon=True)
+        self.thread.start()
         try:
-            order = ranks.broadcast()
-        except RuntimeError as error:
-            print(f"rank {ranks.rank}: rank 0 is gone ({str(error).splitlines()[0]})",
-                  file=sys.stderr)
-            return 1
-        if order["order"] == "stop":
-            print(f"rank {ranks.rank}: rank 0 ended the run", flush=True)
-            return 0
-        torch.set_num_threads(order["threads"])
-        algo.load_server_data(order["global_step"], order["meta_info"], order["data"])
-        algo.pre_learn()
-        algo.learn()
-        algo.post_learn()
+            self.started.wait()
+        except KeyboardInterrupt:  # in the start: the run stops at its loop's first pass
+            self.server.stop_requested = True
+            self.started.wait()
+
+    @property
+    def run_dir(self) -> str:
+        """Where this run writes its checkpoints and metrics.jsonl."""
+        return self.server.run_dir
+
+    def serve(self, host: str, port: int, claimed) -> None:
+        """The thread: the server's own event loop, until the run ends."""
+        async def run() -> int:
+            self.task = asyncio.current_task()
+            return await self.server.run(host, port, claimed)
+        try:
+            self.status = asyncio.run(run())
+        except CommandError as error:
+            print(f"error: {error}", file=sys.stderr)
+            self.status = 1
+        except asyncio.CancelledError:  # stopped at once: no checkpoint
+            self.status = 130
+        finally:
+            self.server.learn_executor.shutdown(wait=False)  # its learn, if any, ends alone
+            reap(self.server.local_clients, 0 if self.status == 130 else 10)
+            self.started.set()
+            self.done.set()
+
+    def stop(self) -> int:
+        """Stop after the learn in progress, with the final checkpoint: the exit status."""
+        self.ask(self.server.request_stop)
+        return self.wait()
+
+    def ask(self, order) -> None:
+        """order() in the server's thread, between two lines of its loop (if it still runs)."""
+        with contextlib.suppress(RuntimeError):  # the loop has closed: the run is over
+            self.server.loop.call_soon_threadsafe(order)
+
+    def wait(self) -> int:
+        """Until the run ends: its exit status, as the command line would give it."""
+        while not self.done.is_set():
+            try:
+                time.sleep(0.05)  # not thread.join: interrupted, it can think the thread ended
+            except KeyboardInterrupt:  # the kernel's Interrupt, or Ctrl-C in a REPL
+                first = self.server.signalled_at
+                if first is None or time.monotonic() - first < 1.0:
+                    on_signal(self.server)  # the first, as Ctrl-C (its copies: the same one)
+                elif self.task is not None:  # not on_signal's os._exit: it would end the kernel
+                    print("\nstopped again: stopping now, without a final checkpoint",
+                          file=sys.stderr, flush=True)
+                    self.ask(self.task.cancel)
+        self.thread.join()
+        return self.status
 
 
-# --- Input checks: a first reading skips these ------------------------------------------------
-# Messages come from other processes, in any language: every field is checked against the
-# protocol reference in README.md, and a bad one gets an error naming the field and what it
-# must be. The algorithm only ever sees messages that passed.
+def start(argv: list[str]) -> Serving:
+    """The server command, trained in the background (a notebook stays free): the same words
+    and flags as the command line. Its run_dir is claimed on return; stop() ends it."""
+    plugins, argv = import_plugins(list(argv))
+    import_sac_example()
+    try:
+        serving = server_main(argv, plugins, background=True)
+    except SystemExit as stop:  # a usage error: its line is printed already
+        serving = stop.code
+    if not isinstance(serving, Serving):
+        raise RuntimeError(f"the run did not start (exit status {serving}; see above)")
+    return serving
+
+
+# ===== 13. Messages: what a client hears first, and every field it sends, checked =====
+# PlugRL page: infer(obs) and feedback(...)'s arguments, as they arrive from other processes, in
+# any language: every field is checked against the protocol reference in README.md, and a bad
+# one gets an error naming the field and what it must be. The algorithm only sees messages that
+# passed. A first reading skips these.
+
+def metadata_of(policy: BaseTorchPolicy, names: tuple[str, str]) -> dict:
+    """The metadata message: what the policy reads and what it acts, for a client to check."""
+    obs_spec = obs_spec_of(policy.obs_spec)
+    return {"message_type": "metadata", "protocol_version": PROTOCOL_VERSION,
+            "policy": names[0], "algorithm": names[1],
+            "obs_spec": {key: {"shape": list(shape), "dtype": dtype.str}
+                         for key, (shape, dtype) in obs_spec.items()},
+            "action_dim": policy.action_dim, "num_actions": policy.num_actions,
+            "action_horizon": policy.action_horizon}
+
 
 MISSING = object()  # what message.get(field, MISSING) gives for a field left out
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -1887,8 +2212,32 @@ def _leaves(tree: dict, path: str = ""):
             yield f"{path}.{key}", value
 
 
-# ===== 7. Environment client: environments, executing a decision, the rollout loop =====
-# PlugRL page: the client of its smoke test (plugrl-run-env-client dummy-v1).
+def check_env_cap(conn: Connection, env_ids: list, max_envs: int) -> None:
+    """Refuse an infer that gives a connection more than --max-envs-per-client environments."""
+    if len(conn.slots) + len(env_ids) > max_envs and len(
+            conn.slots.keys() | set(env_ids)) > max_envs:  # counted only near the cap
+        raise ProtocolError(f"infer: a connection may use at most {max_envs} "
+                            "environments (the server's --max-envs-per-client)",
+                            "step fewer environments per client, or start more clients")
+
+
+async def reject(server: Server, conn: Connection, error: Exception) -> None:
+    """Tell the client what was wrong, then close its connection (and no other)."""
+    if not isinstance(error, ProtocolError):
+        error = ProtocolError(f"malformed message ({type(error).__name__}: {error})")
+    server.connections.discard(conn)
+    reply = {"message_type": "error", "message": str(error), "hint": error.hint}
+    with contextlib.suppress(websockets.ConnectionClosed):
+        await conn.ws.send(pack_message(reply))
+        await conn.ws.close(1008, str(error).encode()[:120].decode(errors="ignore"))
+
+
+# ===== 14. Environment client: environments, executing a decision, connecting =====
+# PlugRL page: the client of its smoke test (plugrl-run-env-client dummy-v1). Its loop,
+# run_episodes, is section 1; pendulum-v1, cartpole-v1 and gym:ENV_ID follow as blocks.
+
+from websockets.asyncio.client import connect
+
 
 class VecEnv:
     """num_envs environments stepped together in numpy; every built-in environment is one. A
@@ -1955,119 +2304,6 @@ class DummyEnv(VecEnv):
         return {"state": state.astype(np.float32)}
 
 
-@register_env("pendulum-v1")
-class PendulumEnv(VecEnv):
-    """pendulum-v1: Gymnasium's Pendulum-v1 in numpy. obs [cos θ, sin θ, θ'], torque = 2 * a."""
-
-    max_steps = 200
-
-    def __init__(self, num_envs, seed=None):
-        self.theta, self.theta_dot = np.zeros((2, num_envs))
-        super().__init__(num_envs, seed)
-
-    def _reset(self, rows):
-        self.theta[rows] = self.rng.uniform(-np.pi, np.pi, len(rows))
-        self.theta_dot[rows] = self.rng.uniform(-1, 1, len(rows))
-
-    def _step(self, action, rows):
-        g, m, length, dt = 10.0, 1.0, 1.0, 0.05
-        u = 2.0 * np.clip(action[:, 0], -1, 1)
-        theta, theta_dot = self.theta[rows], self.theta_dot[rows]
-        upright = (theta + np.pi) % (2 * np.pi) - np.pi  # the angle from upright, in [-π, π)
-        cost = upright**2 + 0.1 * theta_dot**2 + 0.001 * u**2
-        theta_acc = 3 * g / (2 * length) * np.sin(theta) + 3.0 / (m * length**2) * u
-        theta_dot = np.clip(theta_dot + theta_acc * dt, -8, 8)
-        self.theta[rows] = theta + theta_dot * dt  # the new velocity moves θ (semi-implicit)
-        self.theta_dot[rows] = theta_dot
-        return -cost, np.zeros(len(rows), bool), np.abs(upright) < 0.1
-
-    def _observe(self):
-        state = np.stack([np.cos(self.theta), np.sin(self.theta), self.theta_dot], axis=1)
-        return {"state": state.astype(np.float32)}
-
-
-@register_env("cartpole-v1")
-class CartPoleEnv(VecEnv):
-    """cartpole-v1: Gymnasium's CartPole-v1 in numpy. obs [x, x', θ, θ']; action 0 pushes left."""
-
-    obs_spec, num_actions = {"state": ((4,), "float32")}, 2
-    max_steps = 500  # lasting this long is a success; random actions last about 22 steps
-
-    def __init__(self, num_envs, seed=None):
-        self.state = np.zeros((num_envs, 4))  # float64, as Gymnasium keeps it
-        super().__init__(num_envs, seed)
-
-    def _reset(self, rows):
-        self.state[rows] = self.rng.uniform(-0.05, 0.05, (len(rows), 4))
-
-    def _step(self, action, rows):
-        gravity, cart_mass, pole_mass, half_length, tau = 9.8, 1.0, 0.1, 0.5, 0.02
-        total_mass = cart_mass + pole_mass
-        x, x_dot, theta, theta_dot = self.state[rows].T
-        force = np.where(action[:, 0] == 1, 10.0, -10.0)
-        cos, sin = np.cos(theta), np.sin(theta)
-        # Gymnasium's equations in its order of operations, so the floats agree bit for bit.
-        temp = (force + pole_mass * half_length * theta_dot**2 * sin) / total_mass
-        theta_acc = (gravity * sin - cos * temp) / (
-            half_length * (4.0 / 3.0 - pole_mass * cos**2 / total_mass))
-        x_acc = temp - pole_mass * half_length * theta_acc * cos / total_mass
-        # Explicit Euler: positions move with the old velocities.
-        x, theta = x + tau * x_dot, theta + tau * theta_dot
-        x_dot, theta_dot = x_dot + tau * x_acc, theta_dot + tau * theta_acc
-        self.state[rows] = np.stack([x, x_dot, theta, theta_dot], axis=1)
-        fallen = (np.abs(x) > 2.4) | (np.abs(theta) > 12 * 2 * math.pi / 360)  # 12 degrees
-        return np.ones(len(rows)), fallen, ~fallen
-
-    def _observe(self):
-        return {"state": self.state.astype(np.float32)}
-
-
-class GymEnv(VecEnv):
-    """gym:ENV_ID: a Gymnasium environment with Discrete or Box actions (scaled from [-1, 1])."""
-
-    def __init__(self, env_id, num_envs, seed=None):
-        try:
-            import gymnasium
-        except ImportError:
-            raise SystemExit(f"gym:{env_id} needs gymnasium: pip install gymnasium") from None
-        made = [gymnasium.make(env_id) for _ in range(num_envs)]
-        self.envs = [env.unwrapped for env in made]  # its time limit is kept as max_steps
-        space = made[0].action_space
-        if isinstance(space, gymnasium.spaces.Discrete):
-            self.num_actions, self.first_action = int(space.n), int(space.start)
-        elif isinstance(space, gymnasium.spaces.Box):
-            self.action_dim, self.low, self.high = int(np.prod(space.shape)), space.low, space.high
-        else:
-            raise SystemExit(f"gym:{env_id} has a {type(space).__name__} action space; "
-                             "plugrl_min runs Box and Discrete ones")
-        size = int(np.prod(made[0].observation_space.shape))
-        self.obs_spec = {"state": ((size,), "float32")}  # flattened
-        self.max_steps = made[0].spec.max_episode_steps or 10**9
-        self.last = np.zeros((num_envs, size), np.float32)  # each one's last observation
-        super().__init__(num_envs, seed)
-
-    def _reset(self, rows):
-        for i in rows:  # seeded from self.rng, so --seed makes episodes repeat
-            self.last[i] = np.ravel(self.envs[i].reset(seed=int(self.rng.integers(2**31)))[0])
-
-    def _step(self, action, rows):
-        reward = np.zeros(len(rows))
-        terminated, success = np.zeros((2, len(rows)), bool)
-        for j, i in enumerate(rows):
-            if self.num_actions is None:
-                unit = np.clip(action[j], -1, 1).reshape(self.low.shape)  # a Box of any shape
-                act = self.low + (unit + 1) / 2 * (self.high - self.low)
-            else:
-                act = int(action[j, 0]) + self.first_action
-            obs, reward[j], terminated[j], _, info = self.envs[i].step(act)
-            self.last[i] = np.ravel(obs)
-            success[j] = info.get("is_success", False)
-        return reward, terminated, success
-
-    def _observe(self):
-        return {"state": self.last.copy()}
-
-
 def action_space(action_dim: int, num_actions: int | None) -> str:
     """How messages name an action space: 'continuous, action_dim 1' or 'discrete, 2 actions'."""
     return (f"continuous, action_dim {action_dim}" if num_actions is None
@@ -2076,12 +2312,19 @@ def action_space(action_dim: int, num_actions: int | None) -> str:
 
 def make_env(env_id: str, num_envs: int = 1, seed: int | None = None) -> VecEnv:
     """A registered environment by id, or gym:ENV_ID for a Gymnasium one."""
-    if env_id.startswith("gym:"):
-        return GymEnv(env_id[4:], num_envs, seed)
+    if env_id.startswith("gym:"):  # [gym]
+        return GymEnv(env_id[4:], num_envs, seed)  # [gym]
     if env_id not in ENVIRONMENTS:
-        raise ValueError(f"unknown environment {env_id!r}; registered: {', '.join(ENVIRONMENTS)}, "
-                         "gym:ENV_ID (a plug-in adds more with register_env and --plugin)")
+        raise ValueError(f"unknown environment {env_id!r}; registered: {known_envs()} (a "
+                         "plug-in adds more with register_env and --plugin)")
     return ENVIRONMENTS[env_id](num_envs, seed)
+
+
+def known_envs() -> str:
+    """What env-client and --local-env accept, for their help and errors."""
+    names = list(ENVIRONMENTS)
+    names.append("gym:ENV_ID")  # [gym]
+    return ", ".join(names)
 
 
 # --- Executing a decision: one server action, one or more physical steps ---------------------
@@ -2118,8 +2361,8 @@ def make_controller(name: str, env: VecEnv) -> Controller:
     """A built-in controller: track (dummy-v1, pendulum-v1)."""
     if name == "track" and isinstance(env, DummyEnv):  # obs [x, target, gap]; no inertia
         return TrackingController(lambda obs: (obs[:, 0], 0.0))
-    if name == "track" and isinstance(env, PendulumEnv):  # obs [cos θ, sin θ, θ']
-        return TrackingController(lambda obs: (np.arctan2(obs[:, 1], obs[:, 0]), obs[:, 2]), np.pi)
+    if name == "track" and isinstance(env, PendulumEnv):  # [pendulum]
+        return TrackingController(pendulum_angle, np.pi)  # [pendulum]
     raise ValueError(f"unknown controller {name!r} for this environment; known: track (for "
                      "dummy-v1 or pendulum-v1)")
 
@@ -2230,39 +2473,6 @@ class ClosedLoopMultiAction(MultiAction):
         return self.execute_decision(self.steps, physical_action)
 
 
-# --- The rollout loop -------------------------------------------------------------------------
-
-async def run_episodes(ws, executor, num_episodes: int, tally: dict) -> None:
-    """The client's loop: infer, execute the decision, send feedback, reset what finished."""
-    closed_loop = isinstance(executor, ClosedLoopMultiAction)
-    check_metadata(unpack_message(await ws.recv()), executor, closed_loop)
-    env_indices = np.arange(executor.env.num_envs, dtype=np.int64)
-    while num_episodes == 0 or len(tally["returns"]) < num_episodes:  # 0: until the run ends
-        infer = {"message_type": "infer", "env_indices": env_indices, "obs": executor.obs}
-        await ws.send(pack_message(infer))
-        reply = unpack_message(await ws.recv())
-        if reply.get("message_type") == "error":
-            raise SystemExit(f"the server refused a message: {reply['message']} "
-                             f"(hint: {reply['hint']})")
-        action = reply["action"]  # [n, H, action_dim]
-        if closed_loop:
-            action = action[:, 0]  # one decision [n, decision_dim]
-        obs, reward, terminated, truncated, info = executor.step(action)
-        episode = info["episode"]
-        tally["returns"] += episode["r"][episode["mask"]].tolist()
-        tally["env_steps"] += int(info["executed_steps"].sum())  # the client's count, not sent
-        tally["decisions"] += len(env_indices)
-        feedback = {"message_type": "feedback", "env_indices": env_indices, "obs": obs,
-                    "reward": reward, "terminated": terminated, "truncated": truncated,
-                    "info": {"episode": episode} if episode["mask"].any() else {}}
-        await ws.send(pack_message(feedback))
-        # The feedback carried the observation the episode ended on; the reset gives the next
-        # infer the observation the new episode starts from.
-        done = terminated | truncated
-        if done.any():
-            executor.reset(np.flatnonzero(done))
-
-
 def check_metadata(meta: dict, executor, closed_loop: bool) -> None:
     """Stop with a clear message when the server's policy cannot act in this environment."""
     if meta.get("message_type") != "metadata" or meta.get("protocol_version") != PROTOCOL_VERSION:
@@ -2291,7 +2501,9 @@ def check_metadata(meta: dict, executor, closed_loop: bool) -> None:
 async def connect_to_server(args):
     """Connect, retrying for --connect-timeout s; None if the run has ended."""
     uri = f"ws://{args.server_host}:{args.server_port}"
-    headers = {"Authorization": f"Bearer {args.token}"} if args.token else None
+    headers = {}
+    if args.token:  # [token]
+        headers["Authorization"] = f"Bearer {args.token}"  # [token]
     deadline = time.monotonic() + args.connect_timeout
     while True:
         try:
@@ -2359,10 +2571,150 @@ async def run_env_client(args) -> int:
     return 0
 
 
-# ===== 8. Command line: the server (POLICY VARIANT ALGO VARIANT) and the env-client =====
+# ===== [pendulum] pendulum-v1: Gymnasium's Pendulum-v1, in numpy =====
+# plugrl_min's own: a continuous task sac_example.py learns (its example_env) without gymnasium.
+
+def pendulum_angle(obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """track's reading of pendulum-v1's observation [cos θ, sin θ, θ']: θ and θ'."""
+    return np.arctan2(obs[:, 1], obs[:, 0]), obs[:, 2]
+
+
+@register_env("pendulum-v1")
+class PendulumEnv(VecEnv):
+    """pendulum-v1: Gymnasium's Pendulum-v1 in numpy. obs [cos θ, sin θ, θ'], torque = 2 * a."""
+
+    max_steps = 200
+
+    def __init__(self, num_envs, seed=None):
+        self.theta, self.theta_dot = np.zeros((2, num_envs))
+        super().__init__(num_envs, seed)
+
+    def _reset(self, rows):
+        self.theta[rows] = self.rng.uniform(-np.pi, np.pi, len(rows))
+        self.theta_dot[rows] = self.rng.uniform(-1, 1, len(rows))
+
+    def _step(self, action, rows):
+        g, m, length, dt = 10.0, 1.0, 1.0, 0.05
+        u = 2.0 * np.clip(action[:, 0], -1, 1)
+        theta, theta_dot = self.theta[rows], self.theta_dot[rows]
+        upright = (theta + np.pi) % (2 * np.pi) - np.pi  # the angle from upright, in [-π, π)
+        cost = upright**2 + 0.1 * theta_dot**2 + 0.001 * u**2
+        theta_acc = 3 * g / (2 * length) * np.sin(theta) + 3.0 / (m * length**2) * u
+        theta_dot = np.clip(theta_dot + theta_acc * dt, -8, 8)
+        self.theta[rows] = theta + theta_dot * dt  # the new velocity moves θ (semi-implicit)
+        self.theta_dot[rows] = theta_dot
+        return -cost, np.zeros(len(rows), bool), np.abs(upright) < 0.1
+
+    def _observe(self):
+        state = np.stack([np.cos(self.theta), np.sin(self.theta), self.theta_dot], axis=1)
+        return {"state": state.astype(np.float32)}
+
+
+# ===== [cartpole] cartpole-v1: Gymnasium's CartPole-v1 in numpy, and the policy's variant =====
+# plugrl_min's own: a discrete task for pg and categorical-policy without gymnasium.
+
+@register_policy_config("categorical-policy", "cartpole")
+@dataclasses.dataclass
+class CartPolePolicyConfig(CategoricalPolicyConfig):
+    """The defaults (4 observations, 2 actions), named for the command line: `... cartpole`."""
+
+
+@register_env("cartpole-v1")
+class CartPoleEnv(VecEnv):
+    """cartpole-v1: Gymnasium's CartPole-v1 in numpy. obs [x, x', θ, θ']; action 0 pushes left."""
+
+    obs_spec, num_actions = {"state": ((4,), "float32")}, 2
+    max_steps = 500  # lasting this long is a success; random actions last about 22 steps
+
+    def __init__(self, num_envs, seed=None):
+        self.state = np.zeros((num_envs, 4))  # float64, as Gymnasium keeps it
+        super().__init__(num_envs, seed)
+
+    def _reset(self, rows):
+        self.state[rows] = self.rng.uniform(-0.05, 0.05, (len(rows), 4))
+
+    def _step(self, action, rows):
+        gravity, cart_mass, pole_mass, half_length, tau = 9.8, 1.0, 0.1, 0.5, 0.02
+        total_mass = cart_mass + pole_mass
+        x, x_dot, theta, theta_dot = self.state[rows].T
+        force = np.where(action[:, 0] == 1, 10.0, -10.0)
+        cos, sin = np.cos(theta), np.sin(theta)
+        # Gymnasium's equations in its order of operations, so the floats agree bit for bit.
+        temp = (force + pole_mass * half_length * theta_dot**2 * sin) / total_mass
+        theta_acc = (gravity * sin - cos * temp) / (
+            half_length * (4.0 / 3.0 - pole_mass * cos**2 / total_mass))
+        x_acc = temp - pole_mass * half_length * theta_acc * cos / total_mass
+        # Explicit Euler: positions move with the old velocities.
+        x, theta = x + tau * x_dot, theta + tau * theta_dot
+        x_dot, theta_dot = x_dot + tau * x_acc, theta_dot + tau * theta_acc
+        self.state[rows] = np.stack([x, x_dot, theta, theta_dot], axis=1)
+        fallen = (np.abs(x) > 2.4) | (np.abs(theta) > 12 * 2 * math.pi / 360)  # 12 degrees
+        return np.ones(len(rows)), fallen, ~fallen
+
+    def _observe(self):
+        return {"state": self.state.astype(np.float32)}
+
+
+# ===== [gym] gym:ENV_ID: a Gymnasium environment with Box or Discrete actions =====
+# plugrl_min's own: gymnasium is optional, imported when a gym:ENV_ID environment is made.
+
+class GymEnv(VecEnv):
+    """gym:ENV_ID: a Gymnasium environment with Discrete or Box actions (scaled from [-1, 1])."""
+
+    def __init__(self, env_id, num_envs, seed=None):
+        try:
+            import gymnasium
+        except ImportError:
+            raise SystemExit(f"gym:{env_id} needs gymnasium: pip install gymnasium") from None
+        made = [gymnasium.make(env_id) for _ in range(num_envs)]
+        self.envs = [env.unwrapped for env in made]  # its time limit is kept as max_steps
+        space = made[0].action_space
+        if isinstance(space, gymnasium.spaces.Discrete):
+            self.num_actions, self.first_action = int(space.n), int(space.start)
+        elif isinstance(space, gymnasium.spaces.Box):
+            self.action_dim, self.low, self.high = int(np.prod(space.shape)), space.low, space.high
+        else:
+            raise SystemExit(f"gym:{env_id} has a {type(space).__name__} action space; "
+                             "plugrl_min runs Box and Discrete ones")
+        size = int(np.prod(made[0].observation_space.shape))
+        self.obs_spec = {"state": ((size,), "float32")}  # flattened
+        self.max_steps = made[0].spec.max_episode_steps or 10**9
+        self.last = np.zeros((num_envs, size), np.float32)  # each one's last observation
+        super().__init__(num_envs, seed)
+
+    def _reset(self, rows):
+        for i in rows:  # seeded from self.rng, so --seed makes episodes repeat
+            self.last[i] = np.ravel(self.envs[i].reset(seed=int(self.rng.integers(2**31)))[0])
+
+    def _step(self, action, rows):
+        reward = np.zeros(len(rows))
+        terminated, success = np.zeros((2, len(rows)), bool)
+        for j, i in enumerate(rows):
+            if self.num_actions is None:
+                unit = np.clip(action[j], -1, 1).reshape(self.low.shape)  # a Box of any shape
+                act = self.low + (unit + 1) / 2 * (self.high - self.low)
+            else:
+                act = int(action[j, 0]) + self.first_action
+            obs, reward[j], terminated[j], _, info = self.envs[i].step(act)
+            self.last[i] = np.ravel(obs)
+            success[j] = info.get("is_success", False)
+        return reward, terminated, success
+
+    def _observe(self):
+        return {"state": self.last.copy()}
+
+
+# ===== 15. Command line: the server (POLICY VARIANT ALGO VARIANT), env-client and report =====
 # PlugRL page: plugrl-run-server and plugrl-run-env-client, flags from the config dataclasses.
 
+import argparse
+import importlib.util  # binds importlib too: import_module is used as well
+import inspect
+import re
+import subprocess
+
 CONFIG = "config.json"  # a run directory's first file, created exclusively: it marks a run
+
 
 def _flag_type(hint):
     """argparse's type= for a config field of type int, float, str or bool, each maybe | None."""
@@ -2428,32 +2780,101 @@ def _building(what: str, build, *args):
 
 def server_main(argv: list[str], plugins: list[str] = (), background: bool = False,
                 command_line: bool = False):
-    """Parse the server command line, build policy and algorithm, maybe resume, and serve."""
+    """The server command, in its steps: the words and flags; the policy and algorithm (and the
+    other ranks); --resume; the Server; once its port is taken, the run directory and the local
+    clients; then serving until the run ends. Returns the exit status."""
+    words, args, configs = parse_server_flags(argv)
+    resolved = dict(zip(("policy", "policy_variant", "algorithm", "algo_variant"), words),
+                    policy_config=dataclasses.asdict(configs["policy"]),
+                    algo_config=dataclasses.asdict(configs["algo"]), seed=args.seed)
+    algo = build_algorithm(words, configs, args, resolved)
+    resume = args.run_dir if args.resume else None
+    ranks = join_ranks(algo, words[2], algo.policy.device, resume)  # [ranks]
+    counters = {}
+    if resume is not None:
+        checkpoint, counters = resume_from(resume)
+        algo.load_checkpoint(checkpoint)
+        print(f"resumed from step {checkpoint.step} in {resume}", flush=True)
+    warn_without_token(args.host, args.token)  # [token]
+    server = Server(algo, args.run_dir, (words[0], words[2]),
+                    max_message_bytes=args.max_message_bytes,
+                    max_envs_per_client=args.max_envs_per_client,
+                    feedback_timeout=args.feedback_timeout,  # [timeout]
+                    token=args.token,  # [token]
+                    learn_threads=args.learn_threads,  # [learn-threads]
+                    trace=args.trace,  # [trace]
+                    ranks=ranks,  # [ranks]
+                    log_every=args.log_every, **counters)
+    if resume is not None:  # the run's own checkpoints: pruning may delete its older ones
+        server.saved = checkpoint_paths(resume)
+    local_env = choose_local_env(args, server.metadata, algo.example_env)
+
+    def on_listening(port: int) -> None:  # the port is taken: now the run writes its files
+        server.run_dir = claim_run_dir(args, words, local_env, resolved)
+        start_local_clients(server, args, local_env, plugins, port)
+
+    if background or in_a_notebook():  # [notebook] the server on a thread of its own
+        serving = Serving(server, args.host, args.port, on_listening)  # [notebook]
+        return serving if background else serving.wait()  # [notebook]
+    return serve(server, args.host, args.port, on_listening, command_line)
+
+
+def parse_server_flags(argv: list[str]) -> tuple[list[str], argparse.Namespace, dict]:
+    """POLICY VARIANT ALGO VARIANT and the flags: (the four words, the flags, the policy and
+    algorithm configs filled from their flags). A usage error ends here, with status 2."""
     words = argv[:4]  # POLICY VARIANT ALGO VARIANT
     if len(words) < 4 or any(word.startswith("-") for word in words):  # --help alone lands here
         print("usage: python plugrl_min.py POLICY VARIANT ALGO VARIANT [flags; --help lists them]\n"
               "       python plugrl_min.py env-client ENV_ID [flags; --help lists them]\n"
-              "       python plugrl_min.py report RUN_DIR [RUN_DIR ...] [--reach R]\n"
+              "       python plugrl_min.py report RUN_DIR [RUN_DIR ...] [--reach R]\n"  # [report]
               "--plugin MODULE, anywhere on the line, imports a plug-in first\n\n"
               f"policies: {_registered(_POLICY_CONFIGS)}\n"
               f"algorithms: {_registered(_ALGO_CONFIGS)}\n"
-              f"environments (env-client, --local-env): {', '.join(ENVIRONMENTS)}, gym:ENV_ID")
-        return 0 if {"-h", "--help"} & set(argv) else 2
+              f"environments (env-client, --local-env): {known_envs()}")
+        raise SystemExit(0 if {"-h", "--help"} & set(argv) else 2)
     configs = {"policy": _choose(_POLICY_CONFIGS, _POLICIES, "policy", *words[:2]),
                "algo": _choose(_ALGO_CONFIGS, _ALGOS, "algorithm", *words[2:])}
     parser = argparse.ArgumentParser(prog=f"python plugrl_min.py {' '.join(words)}",
                                      description="Serve this policy and algorithm over WebSocket.")
     for prefix, config in configs.items():  # --policy.hidden-size, --algo.global-steps, ...
-        hints = typing.get_type_hints(type(config))
-        comments = field_comments(type(config))
-        group = parser.add_argument_group(f"--{prefix}.* ({type(config).__name__})")
+        add_config_flags(parser, prefix, config)
+    add_server_flags(parser.add_argument)
+    args = parser.parse_args(argv[4:])
+    args.token = args.token or None  # [token] an empty PLUGRL_TOKEN is no token, as on clients
+    if args.port is None:  # one command needs no free port 8000; a lone server keeps the page's
+        args.port = 0 if args.local_env_clients else 8000
+    if args.resume and not args.run_dir:
+        raise SystemExit(_usage_error("--resume needs --run-dir, the run directory to continue"))
+    if args.run_dir and not args.resume and os.path.exists(os.path.join(args.run_dir, CONFIG)):
+        served = checkpoint_paths(args.run_dir)
+        raise SystemExit(_usage_error(f"{args.run_dir} holds a run already: " + (
+            "add --resume to continue it, or name another --run-dir" if served else
+            "one that served no frame (its env-client-N.log may say why): remove the folder, or "
+            "name another --run-dir")))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(_usage_error("--device cuda, but torch finds no CUDA device "
+                                      "(torch.cuda.is_available() is False): use --device cpu"))
+    for prefix, config in configs.items():
         for field in dataclasses.fields(config):
-            default = getattr(config, field.name)
-            group.add_argument(f"--{prefix}.{field.name.replace('_', '-')}", metavar="V",
-                               dest=f"{prefix}.{field.name}", type=_flag_type(hints[field.name]),
-                               default=default, help=f"{comments.get(field.name, '')} "
-                               f"(default: {default})".replace("%", "%%").lstrip())
-    add = parser.add_argument
+            setattr(config, field.name, getattr(args, f"{prefix}.{field.name}"))
+    return words, args, configs
+
+
+def add_config_flags(parser: argparse.ArgumentParser, prefix: str, config) -> None:
+    """A flag for every field of a config dataclass (--algo.global-steps), its comment the help."""
+    hints = typing.get_type_hints(type(config))
+    comments = field_comments(type(config))
+    group = parser.add_argument_group(f"--{prefix}.* ({type(config).__name__})")
+    for field in dataclasses.fields(config):
+        default = getattr(config, field.name)
+        group.add_argument(f"--{prefix}.{field.name.replace('_', '-')}", metavar="V",
+                           dest=f"{prefix}.{field.name}", type=_flag_type(hints[field.name]),
+                           default=default, help=f"{comments.get(field.name, '')} "
+                           f"(default: {default})".replace("%", "%%").lstrip())
+
+
+def add_server_flags(add) -> None:
+    """The server's own flags, beside the configs' (add: parser.add_argument)."""
     add("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     add("--port", type=int, help="0 picks a free port, printed at start (default: 8000; with "
         "--local-env-clients, a free port)")
@@ -2468,191 +2889,150 @@ def server_main(argv: list[str], plugins: list[str] = (), background: bool = Fal
         "example_env, else the first registered that fits)")
     add("--local-num-envs", type=int, default=1, metavar="M", help="environments per local client")
     add("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="auto: cuda if any")
-    add("--learn-threads", type=int, metavar="N",
-        help="torch threads per learn (default: 1 or all, whichever learns faster, timed anew)")
     add("--log-every", type=int, default=1000, metavar="F",
         help="routed frames (stored or discarded) between lines of metrics.jsonl")
-    add("--trace", type=int, default=0, metavar="N", help="narrate the first N frames and learns")
     add("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, metavar="B",
         help="a larger frame closes its connection (1009)")
-    add("--feedback-timeout", type=float, default=60.0, metavar="S",
-        help="seconds of serving a client may owe feedback (also the ping interval)")
     add("--max-envs-per-client", type=int, default=4096, metavar="N",
         help="environments one connection may use: one client cannot hold the loop")
-    add("--token", default=os.environ.get("PLUGRL_TOKEN"),
-        help="default: $PLUGRL_TOKEN (empty: none)")
-    args = parser.parse_args(argv[4:])
-    args.token = args.token or None  # an empty PLUGRL_TOKEN is no token, as on the clients
-    if args.port is None:  # one command needs no free port 8000; a lone server keeps the page's
-        args.port = 0 if args.local_env_clients else 8000
-    if args.resume and not args.run_dir:
-        return _usage_error("--resume needs --run-dir, the run directory to continue")
-    if args.run_dir and not args.resume and os.path.exists(os.path.join(args.run_dir, CONFIG)):
-        served = checkpoint_paths(args.run_dir)
-        return _usage_error(f"{args.run_dir} holds a run already: " + (
-            "add --resume to continue it, or name another --run-dir" if served else
-            "one that served no frame (its env-client-N.log may say why): remove the folder, or "
-            "name another --run-dir"))
-    for prefix, config in configs.items():
-        for field in dataclasses.fields(config):
-            setattr(config, field.name, getattr(args, f"{prefix}.{field.name}"))
-    policy_config, algo_config = configs["policy"], configs["algo"]
-    resolved = dict(zip(("policy", "policy_variant", "algorithm", "algo_variant"), words),
-                    policy_config=dataclasses.asdict(policy_config),
-                    algo_config=dataclasses.asdict(algo_config), seed=args.seed)
-    rank = int(os.environ.get("RANK", "0"))  # torch.distributed.run sets these three
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    add("--learn-threads", type=int, metavar="N", help="torch threads per learn "  # [learn-threads]
+        "(default: 1 or all, whichever learns faster, timed anew)")  # [learn-threads]
+    add("--trace", type=int, default=0, metavar="N",  # [trace]
+        help="narrate the first N frames and learns")  # [trace]
+    add("--feedback-timeout", type=float, default=60.0, metavar="S", help="seconds of "  # [timeout]
+        "serving a client may owe feedback (also the ping interval)")  # [timeout]
+    add("--token", default=os.environ.get("PLUGRL_TOKEN"),  # [token]
+        help="default: $PLUGRL_TOKEN (empty: none)")  # [token]
+
+
+def build_algorithm(words: list[str], configs: dict, args: argparse.Namespace,
+                    resolved: dict) -> BaseAlgorithm:
+    """Print the resolved config, then build the policy (on --device), the algorithm and its
+    optimizers. A registry or constructor error keeps its traceback, then one line."""
     for name in sorted(resolved["policy_config"].keys() & resolved["algo_config"].keys()):
         print(f"warning: {name!r} is in both the policy and the algorithm config: keep it in one",
               file=sys.stderr)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.token and rank == 0:
-        print(f"warning: serving on {args.host} without --token: anyone who can reach it can "
-              "connect", file=sys.stderr)
-    algo_class = _ALGOS.get(words[2])  # unregistered: make_algo says so, as the page shows
-    if world > 1 and algo_class and not issubclass(algo_class, DDPAlgorithm):  # the page's row
-        hooks = [name for name in vars(DDPAlgorithm) if name in DDPAlgorithm.__abstractmethods__]
-        return _usage_error(f"{world} ranks need a DDPAlgorithm; {words[2]!r} is a BaseAlgorithm "
-                            f"without {', '.join(hooks)}: run it without torch.distributed.run, "
-                            "or implement them")
     if os.name != "posix":
         print("warning: plugrl_min is made for Linux and macOS: here, signals and local clients "
               "may not behave as README.md says", file=sys.stderr)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        return _usage_error("--device cuda, but torch finds no CUDA device "
-                            "(torch.cuda.is_available() is False): use --device cpu")
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")  # a GPU per rank
-
-    if rank == 0:
-        print(json.dumps(resolved, indent=2), flush=True)
+    print(json.dumps(resolved, indent=2), flush=True)  # first: the page's "prints its config"
     if args.seed is not None:
         torch.manual_seed(args.seed)
         np.random.seed(args.seed)
     torch.set_num_threads(1)  # one answers small inference batches fastest; learns choose theirs
-    policy = _building(f"policy {words[0]!r} from its config", make_policy, words[0], policy_config)
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    # LOCAL_RANK: the GPU torch.distributed.run gives this rank (0 without it).
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if cuda else "cpu")
+    policy = _building(f"policy {words[0]!r} from its config", make_policy, words[0],
+                       configs["policy"])
     policy.to(device)  # before the algorithm: it builds its own networks where the policy is
     algo = _building(f"algorithm {words[2]!r} from its config", make_algo, words[2], policy,
-                     algo_config)
+                     configs["algo"])
     _building(f"the optimizers of algorithm {words[2]!r}", algo.init_optimizers)
-    if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        atexit.register(dist.destroy_process_group)  # left to exit, gloo can abort (SIGABRT)
-    ranks = Ranks() if world > 1 else None
-    counters = {}
-    if args.resume:  # on every rank the same newest checkpoint (on several machines: one disk)
-        try:
-            checkpoint, counters = load_newest_checkpoint(args.run_dir)
-        except FileNotFoundError as error:
-            raise SystemExit(f"error: {error}") from None
-        if rank == 0:
-            algo.load_checkpoint(checkpoint)
-            print(f"resumed from step {checkpoint.step} in {args.run_dir}", flush=True)
-        else:  # the other ranks only learn: weights, optimizers and counters
-            algo.load_learner_state(checkpoint)
-    if ranks is not None:  # after the checkpoints: DDP starts every rank from rank 0's weights
-        device_ids = [device.index] if device.type == "cuda" else None
-        algo.activate_ddp(DistributedDataParallel(policy, device_ids=device_ids))
-    if rank > 0:
-        return serve_as_learner(algo, ranks)
-    server = Server(algo, args.run_dir, (words[0], words[2]),
-                    max_message_bytes=args.max_message_bytes, token=args.token,
-                    feedback_timeout=args.feedback_timeout, log_every=args.log_every,
-                    max_envs_per_client=args.max_envs_per_client, trace=args.trace,
-                    learn_threads=args.learn_threads, ranks=ranks, **counters)
-    if args.resume:  # the run's own checkpoints: pruning may delete its older ones
-        server.saved = checkpoint_paths(args.run_dir)
-    space = action_space(policy.action_dim, policy.num_actions)
+    return algo
+
+
+def resume_from(run_dir: str) -> tuple[Checkpoint, dict]:
+    """--resume: the newest checkpoint that loads, and the server's counters; or one line."""
+    try:
+        return load_newest_checkpoint(run_dir)
+    except FileNotFoundError as error:
+        raise SystemExit(f"error: {error}") from None
+
+
+def choose_local_env(args: argparse.Namespace, metadata: dict, example_env: str | None):
+    """--local-env, else the algorithm's example_env if it fits the policy, else the first
+    registered environment that fits (None if none does). With local clients it must fit."""
+    reads = obs_spec_of({key: (spec["shape"], spec["dtype"])
+                         for key, spec in metadata["obs_spec"].items()})
+    acts = action_space(metadata["action_dim"], metadata["num_actions"])
     fits = [env_id for env_id, env in ENVIRONMENTS.items()  # in registration order
-            if obs_spec_of(env.obs_spec) == server.obs_spec
-            and action_space(env.action_dim, env.num_actions) == space]
-    local_env = args.local_env or min(fits, key=lambda env_id: env_id != algo.example_env,
+            if obs_spec_of(env.obs_spec) == reads
+            and action_space(env.action_dim, env.num_actions) == acts]
+    local_env = args.local_env or min(fits, key=lambda env_id: env_id != example_env,
                                       default=None)  # the algorithm's own example first
     if args.local_env_clients:  # checked now: a start that fails leaves no trace on disk
         try:
             if local_env is None:
                 raise ValueError("no registered environment fits this policy: name one with "
                                  "--local-env ENV_ID")
-            check_metadata(server.metadata, MultiAction(make_env(local_env)), False)
+            check_metadata(metadata, MultiAction(make_env(local_env)), False)
         except (ValueError, SystemExit) as error:
-            return _usage_error(error)
-
-    def claim_run_dir() -> str:
-        """The run directory, made this run's own by creating its config.json exclusively."""
-        run_dir = args.run_dir
-        if run_dir is None:  # a new folder: another run started this second takes another
-            name = "-".join([words[2], *[local_env] * bool(args.local_env_clients),
-                             *[f"seed{args.seed}"] * (args.seed is not None),
-                             time.strftime("%Y%m%d-%H%M%S")])
-            base = os.path.join("runs", re.sub(r"[^\w.-]", "_", name))  # letters, digits, -_. stay
-            with naming(f"cannot make a run directory in {os.path.abspath('runs')}"):
-                for suffix in itertools.count(1):
-                    run_dir = base if suffix == 1 else f"{base}-{suffix}"
-                    try:
-                        os.makedirs(run_dir)  # runs/ too; FileExistsError if it is taken
-                        break
-                    except FileExistsError:
-                        continue
-        with naming(f"cannot make the run directory {run_dir}"):
-            os.makedirs(run_dir, exist_ok=True)
-            try:
-                with open(os.path.join(run_dir, CONFIG), "w" if args.resume else "x") as file:
-                    json.dump(resolved, file, indent=2)
-            except FileExistsError:  # another run claimed it since the check at the start
-                raise SystemExit(_usage_error(f"{run_dir} holds a run already: name another "
-                                              "--run-dir"))
-        print(f"run directory: {run_dir}", flush=True)
-        return run_dir
-
-    def start(port: int) -> None:
-        server.run_dir = claim_run_dir()
-        client_args = ["env-client", local_env or "ENV_ID", "--server-port", str(port),
-                       "--num-envs", str(args.local_num_envs), "--num-episodes", "0",
-                       *[flag for module in plugins for flag in ("--plugin", module)]]
-        if not args.local_env_clients:
-            token = " --token TOKEN" if args.token else ""  # the secret is not printed
-            print("no env clients yet: start one in another terminal with\n"
-                  f"  python {os.path.basename(__file__)} {' '.join(client_args)}{token}\n"
-                  "or run this server with --local-env-clients 1 to do both in one command",
-                  flush=True)
-        for i in range(1, args.local_env_clients + 1):
-            seed = [] if args.seed is None else ["--seed", str(args.seed + i - 1)]
-            command = [sys.executable, os.path.abspath(__file__), *client_args, *seed]
-            log_path = os.path.join(server.run_dir, f"env-client-{i}.log")
-            with naming(f"cannot start local env client {i} (its log: {log_path})"), \
-                    open(log_path, "a") as log:  # a resumed run adds to its log
-                print(f"--- env client {i} started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
-                      f"{' '.join(command[1:])}", file=log, flush=True)
-                # A session of its own: signals for the server (Ctrl-C, timeout) stay with it,
-                # and the client hears of the end from the server, as every client does.
-                process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True,
-                                           env={**os.environ, "PLUGRL_TOKEN": args.token or ""})
-            server.local_clients.append((i, process, log_path))
-
-    if not background and threading.current_thread() is threading.main_thread() and not (
-            loop_running()):
-        return serve(server, args.host, args.port, start, command_line)
-    serving = Serving(server, args.host, args.port, start)  # a notebook cell, or start()
-    return serving if background else serving.wait()
+            raise SystemExit(_usage_error(error)) from None
+    return local_env
 
 
-def serve(server: Server, host: str, port: int, start, command_line: bool) -> int:
-    """Serving in the main thread: its exit status. SIGINT and SIGTERM call server.on_signal,
-    on the command line until the process exits (main([...]) restores the old handlers after
-    the run). The local clients get 10 s to end, then are killed."""
-    before = {signum: signal.signal(signum, server.on_signal)
-              for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return asyncio.run(server.run(host, port, start))
-    except CommandError as error:  # it names what failed: the port, the run directory, a file
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    finally:
-        reap(server.local_clients, 10)
-        for signum, handler in before.items():
-            if not command_line:  # a script or a REPL goes on after the run
-                signal.signal(signum, handler)
+def claim_run_dir(args: argparse.Namespace, words: list[str], local_env: str | None,
+                  resolved: dict) -> str:
+    """The run directory, made this run's own by creating its config.json exclusively."""
+    run_dir = args.run_dir
+    if run_dir is None:  # a new folder: another run started this second takes another
+        name = "-".join([words[2], *[local_env] * bool(args.local_env_clients),
+                         *[f"seed{args.seed}"] * (args.seed is not None),
+                         time.strftime("%Y%m%d-%H%M%S")])
+        base = os.path.join("runs", re.sub(r"[^\w.-]", "_", name))  # letters, digits, -_. stay
+        with naming(f"cannot make a run directory in {os.path.abspath('runs')}"):
+            for suffix in itertools.count(1):
+                run_dir = base if suffix == 1 else f"{base}-{suffix}"
+                try:
+                    os.makedirs(run_dir)  # runs/ too; FileExistsError if it is taken
+                    break
+                except FileExistsError:
+                    continue
+    with naming(f"cannot make the run directory {run_dir}"):
+        os.makedirs(run_dir, exist_ok=True)
+        try:
+            with open(os.path.join(run_dir, CONFIG), "w" if args.resume else "x") as file:
+                json.dump(resolved, file, indent=2)
+        except FileExistsError:  # another run claimed it since the check at the start
+            raise SystemExit(_usage_error(f"{run_dir} holds a run already: name another "
+                                          "--run-dir"))
+    print(f"run directory: {run_dir}", flush=True)
+    return run_dir
+
+
+# --- Local env clients: --local-env-clients N, started once the port is taken ----------------
+
+def start_local_clients(server: Server, args: argparse.Namespace, local_env: str | None,
+                        plugins: list[str], port: int) -> None:
+    """Start the --local-env-clients, each logging to the run directory; or, without them, say
+    how to start a client in another terminal."""
+    client_args = ["env-client", local_env or "ENV_ID", "--server-port", str(port),
+                   "--num-envs", str(args.local_num_envs), "--num-episodes", "0",
+                   *[flag for module in plugins for flag in ("--plugin", module)]]
+    if not args.local_env_clients:
+        command = f"python {os.path.basename(__file__)} {' '.join(client_args)}"
+        command += " --token TOKEN" * bool(args.token)  # [token] the secret is not printed
+        print(f"no env clients yet: start one in another terminal with\n  {command}\n"
+              "or run this server with --local-env-clients 1 to do both in one command",
+              flush=True)
+    environment = dict(os.environ)
+    environment["PLUGRL_TOKEN"] = args.token or ""  # [token] off the command line, as a secret
+    for i in range(1, args.local_env_clients + 1):
+        seed = [] if args.seed is None else ["--seed", str(args.seed + i - 1)]
+        command = [sys.executable, os.path.abspath(__file__), *client_args, *seed]
+        log_path = os.path.join(server.run_dir, f"env-client-{i}.log")
+        with naming(f"cannot start local env client {i} (its log: {log_path})"), \
+                open(log_path, "a") as log:  # a resumed run adds to its log
+            print(f"--- env client {i} started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                  f"{' '.join(command[1:])}", file=log, flush=True)
+            # A session of its own: signals for the server (Ctrl-C, timeout) stay with it,
+            # and the client hears of the end from the server, as every client does.
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                       start_new_session=True, env=environment)
+        server.local_clients.append((i, process, log_path))
+
+
+def watch_local_clients(server: Server) -> None:
+    """A local env client (--local-env-clients) that failed stops the run, with status 1."""
+    for number, process, log_path in server.local_clients:
+        if process.poll() not in (None, 0) and not server.stop_requested:
+            with open(log_path, errors="replace") as log:
+                last = ([line.strip() for line in log if line.strip()] or ["(no output)"])[-1]
+            print(f"\nerror: local env client {number} exited with status "
+                  f"{process.returncode}: {last} (its log: {log_path})", file=sys.stderr)
+            server.status = 1
+            server.request_stop()
 
 
 def reap(local_clients: list, seconds: float) -> None:
@@ -2665,127 +3045,12 @@ def reap(local_clients: list, seconds: float) -> None:
             client.wait()
 
 
-# --- In a notebook: the server on a thread of its own, Interrupt as Ctrl-C ---------------------
-# plugrl_min's own: a kernel runs an event loop already, and its signals are the kernel's.
-
-def loop_running() -> bool:
-    """True in a notebook cell: its kernel runs an event loop in this thread already."""
-    try:
-        return asyncio.get_running_loop() is not None
-    except RuntimeError:
-        return False
-
-
-class Serving:
-    """A run served on a thread of its own (a kernel's loop is busy with the notebook): wait()
-    blocks like the command line, and the kernel's Interrupt acts as Ctrl-C: once, a clean
-    stop with the final checkpoint; again a second later, a stop at once without one (130)."""
-
-    def __init__(self, server: Server, host: str, port: int, start):
-        self.server, self.status, self.task = server, None, None
-        self.started = threading.Event()  # the run directory is claimed, or the run failed
-        self.done = threading.Event()
-
-        def claimed(port: int) -> None:
-            start(port)
-            self.started.set()
-
-        self.thread = threading.Thread(target=self.serve, args=(host, port, claimed),
-                                       name="plugrl-server", daemon=True)
-        self.thread.start()
-        try:
-            self.started.wait()
-        except KeyboardInterrupt:  # in the start: the run stops at its loop's first pass
-            self.server.stop_requested = True
-            self.started.wait()
-
-    @property
-    def run_dir(self) -> str:
-        """Where this run writes its checkpoints and metrics.jsonl."""
-        return self.server.run_dir
-
-    def serve(self, host: str, port: int, claimed) -> None:
-        """The thread: the server's own event loop, until the run ends."""
-        async def run() -> int:
-            self.task = asyncio.current_task()
-            return await self.server.run(host, port, claimed)
-        try:
-            self.status = asyncio.run(run())
-        except CommandError as error:
-            print(f"error: {error}", file=sys.stderr)
-            self.status = 1
-        except asyncio.CancelledError:  # stopped at once: no checkpoint
-            self.status = 130
-        finally:
-            self.server.learn_executor.shutdown(wait=False)  # its learn, if any, ends alone
-            reap(self.server.local_clients, 0 if self.status == 130 else 10)
-            self.started.set()
-            self.done.set()
-
-    def stop(self) -> int:
-        """Stop after the learn in progress, with the final checkpoint: the exit status."""
-        self.ask(self.server.request_stop)
-        return self.wait()
-
-    def ask(self, order) -> None:
-        """order() in the server's thread, between two lines of its loop (if it still runs)."""
-        with contextlib.suppress(RuntimeError):  # the loop has closed: the run is over
-            self.server.loop.call_soon_threadsafe(order)
-
-    def wait(self) -> int:
-        """Until the run ends: its exit status, as the command line would give it."""
-        while not self.done.is_set():
-            try:
-                time.sleep(0.05)  # not thread.join: interrupted, it can think the thread ended
-            except KeyboardInterrupt:  # the kernel's Interrupt, or Ctrl-C in a REPL
-                first = self.server.signalled_at
-                if first is None or time.monotonic() - first < 1.0:
-                    self.server.on_signal()  # the first, as Ctrl-C (its copies: the same one)
-                elif self.task is not None:  # not on_signal's os._exit: it would end the kernel
-                    print("\nstopped again: stopping now, without a final checkpoint",
-                          file=sys.stderr, flush=True)
-                    self.ask(self.task.cancel)
-        self.thread.join()
-        return self.status
-
-
-def start(argv: list[str]) -> Serving:
-    """The server command, trained in the background (a notebook stays free): the same words
-    and flags as the command line. Its run_dir is claimed on return; stop() ends it."""
-    plugins, argv = import_plugins(list(argv))
-    import_sac_example()
-    try:
-        serving = server_main(argv, plugins, background=True)
-    except SystemExit as stop:  # a usage error: its line is printed already
-        serving = stop.code
-    if not isinstance(serving, Serving):
-        raise RuntimeError(f"the run did not start (exit status {serving}; see above)")
-    return serving
-
-
-def report_main(argv: list[str]) -> int:
-    """python plugrl_min.py report RUN_DIR [RUN_DIR ...] [--reach R]"""
-    parser = argparse.ArgumentParser(prog="python plugrl_min.py report",
-                                     description="Compare runs from their metrics.jsonl.")
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    parser.add_argument("--reach", type=float, metavar="R",
-                        help="also the first step at which the last-100+ mean reached R")
-    args = parser.parse_args(argv)
-    try:
-        print(report(args.run_dirs, args.reach), flush=True)
-    except ValueError as error:
-        return _usage_error(error)
-    except BrokenPipeError:  # `report RUN | head -3`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
-    return 0
-
-
 def env_client_main(argv: list[str]) -> int:
     """Parse the env-client command line and run it."""
     parser = argparse.ArgumentParser(prog="python plugrl_min.py env-client",
                                      description="Run environments against a plugrl_min server.")
     add = parser.add_argument
-    add("env_id", help=f"one of {', '.join(ENVIRONMENTS)}, or gym:ENV_ID")
+    add("env_id", help=f"one of {known_envs()}")
     add("--server-host", default="127.0.0.1")
     add("--server-port", type=int, default=8000)
     add("--num-episodes", type=int, default=1,
@@ -2794,7 +3059,8 @@ def env_client_main(argv: list[str]) -> int:
     add("--seed", type=int, help="seeds the environments")
     add("--summary-json", help="write the summary here as one JSON object")
     add("--connect-timeout", type=float, default=30.0, help="seconds to wait for the server")
-    add("--token", default=os.environ.get("PLUGRL_TOKEN") or None, help="default: $PLUGRL_TOKEN")
+    add("--token", default=os.environ.get("PLUGRL_TOKEN") or None,  # [token]
+        help="default: $PLUGRL_TOKEN")  # [token]
     add("--closed-loop-steps", type=int, metavar="K",
         help="hold each decision for K physical steps, acted out by --controller")
     add("--controller", default="track", help="track (dummy-v1, pendulum-v1)")
@@ -2850,8 +3116,9 @@ def main(argv: list[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     try:
         plugins, words = import_plugins(words)
-        command = {"env-client": env_client_main,
-                   "report": report_main}.get(words[0] if words else "")
+        commands = {"env-client": env_client_main}
+        commands["report"] = report_main  # [report]
+        command = commands.get(words[0] if words else "")
         if command is None:  # only the server serves sac
             import_sac_example()
         status = (server_main(words, plugins, command_line=argv is None) if command is None

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import textwrap
 import tokenize
 import tracemalloc
 import types
@@ -2376,7 +2377,7 @@ def test_wire_server_infers_once_per_decision(wire_run):
     _, num_envs, summary, counts, server = wire_run
     assert counts["rows"] == summary["decisions"]  # one inferred row per decision of each env
     assert counts["infer"] * num_envs == summary["decisions"]  # one infer() per round trip of the client
-    assert server.infer_calls == counts["infer"]
+    assert server.record.infer_calls == counts["infer"]
 
 
 def test_wire_env_steps_are_about_K_per_decision(wire_run):
@@ -3196,7 +3197,7 @@ class HoldsTheLateClient(plugrl_min.Server):
         self.ended = asyncio.Event()
         self.arrived = {"handshake": 0, "open": 0}
 
-    async def check_token(self, connection, request):
+    async def hold_handshake(self, connection, request):  # the token check's place in the handshake
         self.arrived["handshake"] += 1
         if self.hold == "handshake" and self.arrived["handshake"] == 2:
             await self.ended.wait()
@@ -3223,8 +3224,9 @@ def run_with_a_late_client(tmp_path, hold):
         server = HoldsTheLateClient(StopsAfterTwoFrames(), str(tmp_path), ("dummy-policy", "probe"))
         server.hold = hold
         ports = asyncio.Queue()
-        run = asyncio.create_task(server.run("127.0.0.1", 0, on_listening=ports.put_nowait))
-        port = await ports.get()
+        with unittest.mock.patch.object(plugrl_min, "token_check", lambda token: server.hold_handshake):
+            run = asyncio.create_task(server.run("127.0.0.1", 0, on_listening=ports.put_nowait))
+            port = await ports.get()
         first = await Client.connect(port)
         late = asyncio.create_task(env_client_in_process("dummy-v1", "--server-port", port, "--num-episodes", "0"))
         await eventually(lambda: server.arrived[hold] == 2)  # the late client is held there
@@ -3341,7 +3343,7 @@ def test_env_client_reconnects_after_a_server_restart_and_finishes(tmp_path, cap
     assert "reconnecting" in err
     assert int(re.search(r"done \| episodes (\d+)", out).group(1)) >= 150  # 4 envs may overshoot
     assert "refused" not in err  # the new server was never sent feedback for an action it did not give
-    assert second_status == 0 and second.learns >= 1 and metrics_lines(tmp_path / "second") >= 1, out
+    assert second_status == 0 and second.record.learns(second) >= 1 and metrics_lines(tmp_path / "second") >= 1, out
 
 
 # =============================================================================================
@@ -4894,60 +4896,81 @@ def in_a_test(words: list[str], tmp_path) -> list[str]:
 
 
 def readme_map() -> list[tuple[int, int, str, str]]:
-    """The rows of README.md's reading map: (first line, last line, what, when to read it)."""
-    rows = re.findall(r"^\| (\d+)-(\d+) \| (.+) \| (first|later|skim) \|$", readme(), re.M)
+    """The rows of README.md's map of the second reading: (first line, last line, what, how it is read)."""
+    rows = re.findall(r"^\| (\d+)-(\d+) \| (.+) \| (second|optional) \|$", readme(), re.M)
     return [(int(first), int(last), what, read) for first, last, what, read in rows]
 
 
+def source_lines() -> list[str]:
+    with open(SOURCE) as file:
+        return file.read().splitlines()
+
+
+def banner_line() -> int:
+    """The line (1-based) of the comment that ends the first reading."""
+    return next(i for i, line in enumerate(source_lines(), 1) if re.match(r"#.*first reading ends", line, re.I))
+
+
 def map_row_start(what: str, lines: list[str]) -> int:
-    """Where a row of the map starts in plugrl_min.py (0-based), found by what it names, not by its numbers:
-    the module docstring (line 1), a section (`2. ...`: its `# =====` line), or the first line its first
-    `name` opens (`def name`, `class name`, `name = ...`, `import name`), with the decorators above it and the
-    `# ---` comment that opens its part, if one stands right above them."""
-    if what.startswith("the module docstring"):
-        return 0
-    section = re.match(r"(\d+)\. ", what)
-    name = re.search(r"`([^`]+)`", what).group(1)
-    pattern = (rf"# ===== {section.group(1)}\." if section else  # a definition, or a module-level line
-               rf"\s*(?:async def |def |class ){re.escape(name)}\b|{re.escape(name)}\b")
-    found = next((i for i, line in enumerate(lines) if re.match(pattern, line)), None)
-    assert found is not None, f"the reading map's row {what!r} names nothing in plugrl_min.py"
-    while lines[found - 1].lstrip().startswith("@"):  # its decorators belong to it
-        found -= 1
-    indent = lines[found][:len(lines[found]) - len(lines[found].lstrip())]
-    if lines[found - 1] == "" and lines[found - 2].startswith(f"{indent}# ---"):  # and its part's heading
-        found -= 2
-    return found
+    """Where a row of the second reading's map starts in plugrl_min.py (0-based), found by what it names,
+    not by its numbers: a section (`7. ...`: its `# =====` line) or an optional block (`[trace]...`: its
+    `# ===== [trace]` line)."""
+    section = re.match(r"(\d+)\. |\[([\w-]+)\]", what)
+    assert section, f"the reading map's row {what!r} names no section or block"
+    pattern = rf"# ===== {section.group(1)}\. " if section.group(1) else rf"# ===== \[{section.group(2)}\] "
+    found = [i for i, line in enumerate(lines) if re.match(pattern, line)]
+    assert len(found) == 1, f"the reading map's row {what!r} names {len(found)} banners in plugrl_min.py"
+    return found[0]
 
 
 def map_rows_in_file() -> list[tuple[int, int, str, str]]:
-    """The map's rows as the file has them: (first line, last line, what, read), in the map's order. Every
-    row ends where the next row in file order starts: together they cover the file, each line once."""
-    with open(SOURCE) as file:
-        lines = file.read().splitlines()
+    """The second reading's rows as the file has them: (first line, last line, what, read), in the map's order.
+    Every row ends where the next row in file order starts, the first starts after the first reading's banner,
+    and the last ends with the file: together they cover the second reading, each line once."""
+    lines = source_lines()
     rows = readme_map()
     starts = [map_row_start(what, lines) for _, _, what, _ in rows]
-    assert len(set(starts)) == len(starts), "two rows of the reading map start on the same line"
-    ends = dict(zip(sorted(starts), sorted(starts)[1:] + [len(lines)]))
+    firsts = sorted(starts)
+    ends = dict(zip(firsts, firsts[1:] + [len(lines)]))
+    starts[starts.index(firsts[0])] = banner_line()  # the first row takes the lines after the banner
+    ends[banner_line()] = ends.pop(firsts[0])
     return [(start + 1, ends[start], what, read) for start, (_, _, what, read) in zip(starts, rows)]
 
 
-# The frame's way, as the first reading follows it: how each first row of the map opens, in order.
-FRAMES_WAY = ["the module docstring", "`run_episodes`", "6. Server", "`run`", "2. State types", "4. Policies",
-              "5. Algorithms", "`PG`"]
+def first_reading_table() -> list[tuple[str, list[str]]]:
+    """README.md's table of the first reading: (section, the names its row gives)."""
+    rows = re.findall(r"^\| (the docstring|\d+\. [^|]+?) \| (.+) \|$", readme(), re.M)
+    return [(section, re.findall(r"`(\w+)`", names)) for section, names in rows]
 
 
-def test_the_readme_reading_maps_first_rows_follow_a_frame_and_the_rest_the_file():
+def defined_in(lines: list[str], name: str) -> int:
+    """The first line (0-based) that defines name: def, class, or an assignment at the start of a line."""
+    pattern = rf"\s*(?:async def |def |class ){name}\b|{name}\b.*[:=]"
+    found = next((i for i, line in enumerate(lines) if re.match(pattern, line)), None)
+    assert found is not None, f"{name} is defined nowhere in plugrl_min.py"
+    return found
+
+
+def test_the_first_reading_ends_at_its_banner_by_line_750():
+    assert banner_line() <= 750
+
+
+def test_the_readmes_first_reading_names_its_sections_in_order_and_only_what_stands_above_the_banner():
+    lines = source_lines()
+    table = first_reading_table()
+    assert [section.split(".")[0] for section, _ in table[1:]] == ["1", "2", "3", "4", "5", "6"]
+    assert table[0][0] == "the docstring"
+    for section, names in table[1:]:
+        start = next(i for i, line in enumerate(lines) if line.startswith(f"# ===== {section.split('.')[0]}. "))
+        assert start < banner_line() and names, section
+        for name in names:  # each below its section's banner, and above the first reading's
+            assert start < defined_in(lines, name) < banner_line(), f"{name} ({section})"
+
+
+def test_the_readme_second_readings_rows_come_in_file_order():
     rows = map_rows_in_file()
-    first = [what for _, _, what, read in rows if read == "first"]
-    assert [what for _, _, what, _ in rows[:len(first)]] == first  # the first reading comes first
-    assert [next(way for way in FRAMES_WAY if what.startswith(way)) for what in first] == FRAMES_WAY
-    rest = [start for start, _, _, read in rows if read != "first"]
-    assert rest == sorted(rest)  # the second reading in file order
-
-
-def first_reading_rows() -> list[tuple[int, int]]:
-    return [(start, end) for start, end, _, read in map_rows_in_file() if read == "first"]
+    assert [start for start, *_ in rows] == sorted(start for start, *_ in rows)
+    assert all((read == "optional") == what.startswith("[") for _, _, what, read in rows)
 
 
 def defined_at(qualified: str) -> int:
@@ -4964,24 +4987,113 @@ FIVE_QUESTIONS = {
         "Server.infer_waiting", "BaseAlgorithm.infer", "BaseTorchPolicy.get_action_and_runtime_state",
         "Server.route_feedback", "BaseAlgorithm.on_policy"],
     "what happens to a frame acted by an older policy": [
-        "Server.route_feedback", "BaseAlgorithm.discard_feedback", "PG.feedback"],
+        "Server.route_feedback", "BaseAlgorithm.discard_feedback", "BaseAlgorithm.feedback"],
     "when learn runs, on which thread, and why serving pauses": [
         "Server.control_loop", "Server.learn_once", "BaseAlgorithm.learn"],
     "what a checkpoint holds and when it is written": [
-        "Checkpoint", "Server.control_loop", "DummyAlgorithm.create_checkpoint"],
-    "what the server does on SIGTERM": ["Server.on_signal", "Server.request_stop", "Server.run"],
+        "Checkpoint", "Server.control_loop", "Server.save", "save_checkpoint", "DummyAlgorithm.create_checkpoint"],
+    "what the server does on SIGTERM": ["on_signal", "serve", "Server.request_stop", "Server.control_loop",
+                                        "Server.run"],
 }
 
 
 @pytest.mark.parametrize("question", FIVE_QUESTIONS)
 def test_the_first_reading_answers_each_of_the_five_questions(question):
-    first = first_reading_rows()
     for name in FIVE_QUESTIONS[question]:
         if name == "BaseAlgorithm.on_policy":  # an attribute: the line that sets it
             line = next(i for i, text in enumerate(open(SOURCE), 1) if text.startswith("    on_policy: bool"))
         else:
             line = defined_at(name)
-        assert any(start <= line <= end for start, end in first), f"{name} (line {line}) is not in the first reading"
+        assert line < banner_line(), f"{name} (line {line}) is not in the first reading"
+
+
+# --- The file's shape: functions and classes that read in one sitting, optional blocks a copy can cut ------
+
+def test_no_function_is_longer_than_60_lines_and_no_class_than_250():
+    too_long = [f"{node.name} (line {node.lineno}): {node.end_lineno - node.lineno + 1} lines"
+                for node in ast.walk(ast.parse(open(SOURCE).read()))
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                and node.end_lineno - node.lineno + 1 > (250 if isinstance(node, ast.ClassDef) else 60)]
+    assert not too_long
+
+
+OPTIONAL_BLOCKS = ["ranks", "learn-threads", "trace", "timeout", "token", "tensorboard", "report", "notebook",
+                   "pendulum", "cartpole", "gym"]
+
+
+def optional_block(lines: list[str], feature: str) -> tuple[range, list[int]]:
+    """The block of an optional feature (its banner `# ===== [feature] ...` up to the next banner) and the lines
+    elsewhere that belong to it (marked by a trailing comment that starts with `# [feature]`)."""
+    (start,) = [i for i, line in enumerate(lines) if line.startswith(f"# ===== [{feature}] ")]
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("# ===== ")), len(lines))
+    marked = [i for i, line in enumerate(lines) if re.search(rf"\S.*  # \[{re.escape(feature)}\]( |$)", line)]
+    assert all(i not in range(start, end) for i in marked), "a block's own lines need no mark"
+    return range(start, end), marked
+
+
+def names_defined_in(source: str) -> set[str]:
+    """The module-level names a piece of the file defines: functions, classes, constants."""
+    names = set()
+    for node in ast.parse(textwrap.dedent(source)).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {target.id for target in targets if isinstance(target, ast.Name)}
+    return names
+
+
+def global_names_by_line(source: str) -> dict[int, set[str]]:
+    """Line number (0-based) -> the module-level names read on it: a function's own parameters and
+    variables are not (a local `start` is not the function start)."""
+    used = {}
+
+    def visit(node, local: frozenset):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs + [
+                node.args.vararg, node.args.kwarg]
+            bound = {argument.arg for argument in arguments if argument is not None}
+            bound |= {sub.id for sub in ast.walk(node) if isinstance(sub, ast.Name) and not isinstance(sub.ctx, ast.Load)}
+            local = local | bound
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in local:
+            used.setdefault(node.lineno - 1, set()).add(node.id)
+        for child in ast.iter_child_nodes(node):
+            visit(child, local)
+
+    visit(ast.parse(source), frozenset())
+    return used
+
+
+@pytest.mark.parametrize("feature", OPTIONAL_BLOCKS)
+def test_each_line_that_names_an_optional_blocks_code_is_marked_and_the_core_calls_it_in_3_places_at_most(feature):
+    lines = source_lines()
+    block, marked = optional_block(lines, feature)
+    defined = names_defined_in("\n".join(lines[block.start:block.stop]))
+    naming = {i for i, names in global_names_by_line("\n".join(lines)).items() if i not in block and names & defined}
+    assert naming <= set(marked), [lines[i] for i in sorted(naming - set(marked))]
+    places = [i for i in sorted(naming) if i - 1 not in naming]  # a statement over several lines: one place
+    assert len(places) <= 3, [lines[i] for i in places]
+
+
+@pytest.mark.parametrize("feature", OPTIONAL_BLOCKS)
+def test_a_copy_without_an_optional_block_and_its_marked_lines_still_serves_learns_and_saves(feature, tmp_path):
+    lines = source_lines()
+    block, marked = optional_block(lines, feature)
+    kept = [line for i, line in enumerate(lines) if i not in block and i not in marked]
+    copy = "\n".join(kept) + "\n"
+    dangling = names_defined_in("\n".join(lines[block.start:block.stop])) & set().union(
+        *global_names_by_line(copy).values())
+    assert not dangling, f"the copy still names {dangling}"
+    (tmp_path / "plugrl_min.py").write_text(copy)
+    shutil.copy(os.path.join(HERE, "sac_example.py"), tmp_path)
+    run_dir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "plugrl_min.py", "dummy-policy", "default", "dummy", "default",
+                             "--local-env-clients", "1", "--local-env", "dummy-v1", "--algo.global-steps", "3000",
+                             "--run-dir", str(run_dir)], cwd=tmp_path, env=subprocess_env(), capture_output=True,
+                            text=True, timeout=180, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "run finished: global step 3000, 3 learns" in result.stdout
+    assert checkpoint_steps(run_dir)[-1] == 3000  # the final checkpoint
 
 
 # The project's own checks of README.md against the code, which CI runs and a student's edit need not pass:
@@ -4991,13 +5103,12 @@ handout = pytest.mark.skipif(os.environ.get("PLUGRL_CHECK_HANDOUT") != "1",
 
 
 @handout
-def test_handout_the_readme_reading_map_line_numbers_are_current_and_the_first_reading_within_700():
+def test_handout_the_readme_reading_map_line_numbers_are_current():
     rows = map_rows_in_file()
     table = "\n".join(f"| {first}-{last} | {what} | {read} |" for first, last, what, read in rows)
     assert [(first, last) for first, last, _, _ in readme_map()] == [(f, l) for f, l, _, _ in rows], \
         f"the map should read:\n{table}"
-    first = sum(last - start + 1 for start, last in first_reading_rows())
-    assert first <= 700 and f"about {first} lines" in readme(), first
+    assert f"`# ===== The first reading ends here`\n(line {banner_line()})" in readme(), banner_line()
 
 
 QUICKSTART_OUTPUT = "The quickstart, as one run on two idle cores printed it"
@@ -5540,11 +5651,11 @@ def test_the_run_ends_with_the_report_of_its_run_directory(sac_run_logged_every_
 
 def test_the_window_weights_each_learns_rollout_means_by_its_episodes(tmp_path):
     server = plugrl_min.Server(Probe(), str(tmp_path), ("dummy-policy", "probe"))
-    server.add_to_window({"rollout/reward": -10.0, "rollout/episodes": 1, "train/loss": 1.0})
-    server.add_to_window({"rollout/reward": -1.0, "rollout/episodes": 3, "train/loss": 3.0})
-    server.add_to_window({"rollout/reward": 0.0, "rollout/episodes": 0, "train/loss": 5.0})
-    with open(tmp_path / "metrics.jsonl", "w") as server.metrics_file:
-        server.write_metrics("learn")
+    server.record.add({"rollout/reward": -10.0, "rollout/episodes": 1, "train/loss": 1.0})
+    server.record.add({"rollout/reward": -1.0, "rollout/episodes": 3, "train/loss": 3.0})
+    server.record.add({"rollout/reward": 0.0, "rollout/episodes": 0, "train/loss": 5.0})
+    with open(tmp_path / "metrics.jsonl", "w") as server.record.metrics_file:
+        server.record.write(server, "learn")
     (line,) = read_metrics(tmp_path, None)
     assert line["rollout/reward"] == (-10.0 + 3 * -1.0) / 4 and line["rollout/episodes"] == 4
     assert line["train/loss"] == 3.0  # a plain mean over the three learns
@@ -5552,7 +5663,7 @@ def test_the_window_weights_each_learns_rollout_means_by_its_episodes(tmp_path):
 
 def test_device_cuda_without_cuda_is_a_one_line_error_and_exit_2(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert plugrl_min.server_main(["dummy-policy", "default", "dummy", "default", "--device", "cuda"]) == 2
+    assert plugrl_min.main(["dummy-policy", "default", "dummy", "default", "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: --device cuda, but torch finds no CUDA device (torch.cuda.is_available() is False): "
                    "use --device cpu"]
@@ -5758,10 +5869,11 @@ if rank == 0:  # the server stores 64 frames of 4 environments, chained by prev_
             train_state={"sample": rng.standard_normal(1, np.float32)}, terminated=False, truncated=False,
             next_obs={"state": rng.standard_normal(3, np.float32)}, reward=float(rng.standard_normal()), info={},
             next_terminated=i % 13 == 12, next_truncated=False, prev_node=nodes.get(i % 4, (-1, "")))
-    if ranks is not None:
-        ranks.send_learn(algo, threads=1)
+    learn = algo.learn
+    if ranks is not None:  # as Server.learn_once does
+        learn = ranks.in_step(learn, algo.get_server_data())
     algo.pre_learn()
-    algo.learn()
+    learn()
     algo.post_learn()
     if ranks is not None:
         ranks.broadcast({"order": "stop"})
@@ -5947,7 +6059,7 @@ def test_a_base_algorithm_under_two_ranks_is_a_one_line_error_naming_ddpalgorith
                                                                                          algo, rank):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", rank)
-    assert plugrl_min.server_main(["dummy-policy", "default", algo, "default", "--port", "0"]) == 2
+    assert plugrl_min.main(["dummy-policy", "default", algo, "default", "--port", "0"]) == 2
     out, err = capsys.readouterr()
     assert "listening" not in out
     assert err.strip().splitlines() == [
@@ -6717,7 +6829,7 @@ def test_a_client_owing_feedback_while_another_trains_is_dropped_after_the_timeo
         started = time.monotonic()
         await asyncio.wait_for(silent.ws.wait_closed(), 40)
         waited = time.monotonic() - started
-        learns = server.learns
+        learns = server.record.learns(server)
         trainer.cancel()
         return silent.ws.close_code, silent.ws.close_reason, waited, learns
 
@@ -6775,7 +6887,7 @@ def test_a_reward_beyond_float32_is_refused_naming_the_field_and_no_other_client
         error = await bad.receive()
         good = await Client.connect(port)
         actions = [(await good.step(list(range(8)), [0.1 * i for i in range(8)]))["action"] for _ in range(4)]
-        return error, actions, server.learns
+        return error, actions, server.record.learns(server)
 
     status, (error, actions, learns) = run_server(algo, tmp_path, script)
     assert error["message"] == "feedback.reward holds NaN, infinity or a value beyond float32's range"
