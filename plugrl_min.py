@@ -518,7 +518,7 @@ class BaseAlgorithm(abc.ABC):
     """The server-side algorithm. Override learn_impl (abstract), feedback and the should_* hooks.
 
     The server calls the hooks one at a time, never two at once: every hook from its control
-    task, except learn(), which runs in the learn thread while that task waits for it.
+    task, except learn() and, with ranks, get_server_data(): the learn thread runs them as it waits.
     """
 
     # The routing rule. True: feedback() gets only frames whose action came from the current
@@ -908,7 +908,7 @@ class PG(DDPAlgorithm):
 # PlugRL page: "Server contract" and "What the loop implies for the hooks".
 
 RUN_FINISHED = "run finished"  # the close reason that tells a client the run is over (exit 0)
-SERVER_FAILED = "server failed"  # the close reason's prefix when an algorithm hook raised
+SERVER_FAILED = "server failed"  # the close reason's prefix: a hook raised, or a run's file failed
 SILENT = "client silent"  # the close reason's prefix when a client owed feedback too long
 NO_NODE = (-1, "")  # prev_node when there is no stored frame of this environment to link to
 
@@ -1035,7 +1035,8 @@ class Server:
         self.trace_left = trace  # frames still to narrate (--trace)
         self.metrics_file = self.tensorboard = None  # open while run() runs
         self.started = self.shown_at = time.perf_counter()
-        self.threads = LearnThreads(learn_threads, TORCH_THREADS)
+        cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None  # Linux
+        self.threads = LearnThreads(learn_threads, TORCH_THREADS, cores)
         # Every learn() runs in this one OS thread (torch's thread count is per OS thread); the
         # event loop's thread infers with one, the fastest for small batches.
         self.learn_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="learn")
@@ -1060,8 +1061,7 @@ class Server:
                     await self.control_loop()
                     code, reason, status = 1000, RUN_FINISHED, self.status
                 except Exception as error:  # a hook raised: no checkpoint is written after it
-                    print_failure(error)
-                    code, reason, status = 1011, f"{SERVER_FAILED}: {type(error).__name__}", 1
+                    code, reason, status = 1011, f"{SERVER_FAILED}: {print_failure(error)}", 1
                 ticker.cancel()
                 # Stop accepting first, then close every open connection with the reason, the
                 # newest too; a handshake still in progress is refused (HTTP 503).
@@ -1248,7 +1248,7 @@ class Server:
     def on_signal(self, *_) -> None:
         """SIGINT or SIGTERM: stop cleanly. Copies within a second are the same request (timeout,
         docker stop, Slurm and a terminal's Ctrl-C send several); a later one quits at once.
-        A plain handler (signal.signal), installed by the command line until the process exits:
+        A plain handler (signal.signal), installed by serve() until the local clients are gone:
         it runs between two lines of the loop's thread, a final save's too, and after the loop."""
         now = time.monotonic()
         if self.signalled_at is not None:
@@ -1274,7 +1274,8 @@ class Server:
         path = save_checkpoint(self.run_dir, self.algo.create_checkpoint(), counters)
         self.saved = [old for old in self.saved if old != path] + [path]
         for old in self.saved[:-3]:
-            os.remove(old)
+            with naming(f"cannot remove the old checkpoint {old}"):
+                os.remove(old)
         self.saved = self.saved[-3:]
 
     def timed_learn(self) -> tuple[int, dict]:
@@ -1282,10 +1283,10 @@ class Server:
         threads = self.threads.choose()
         torch.set_num_threads(threads)  # cheap, and per OS thread: inference keeps its one
         started = time.perf_counter()
-        before = cpu_ticks()
+        before = cpu_ticks(self.threads.cores)
         global_step, log = self.algo.learn()
         seconds = time.perf_counter() - started
-        after = cpu_ticks()
+        after = cpu_ticks(self.threads.cores)
         ticks = (after[0] - before[0], after[1] - before[1]) if before and after else None
         warning = self.threads.record(threads, seconds, self.frames - self.learned_frames, ticks)
         if warning:
@@ -1301,7 +1302,8 @@ class Server:
         print(f"listening on ws://{f'[{host}]' if ':' in host else host}:{port}", flush=True)
         if on_listening is not None:
             on_listening(port)
-        os.makedirs(self.run_dir, exist_ok=True)
+        with naming(f"cannot make the run directory {self.run_dir}"):
+            os.makedirs(self.run_dir, exist_ok=True)
         self.tensorboard = open_tensorboard(self.run_dir)
 
     def finish_run(self, code: int, reason: str, status: int) -> int:
@@ -1346,7 +1348,7 @@ class Server:
                    "server/mean_batch_size": self.inferred_envs / max(self.infer_calls, 1)}
         line = {"event": event, "step": self.global_step, "time": round(elapsed, 3), **metrics}
         with naming(f"cannot write {self.metrics_file.name}"):
-            self.metrics_file.write(json.dumps(line) + "\n")
+            self.metrics_file.write(f"{json.dumps(line)}\n".encode())
         for key, value in metrics.items():  # TensorBoard: no rollout/* point without episodes
             if self.tensorboard is not None and (self.window_episodes or
                                                   not key.startswith("rollout/")):
@@ -1390,8 +1392,12 @@ class Server:
         """A local env client (--local-env-clients) that failed stops the run, with status 1."""
         for number, process, log_path in self.local_clients:
             if process.poll() not in (None, 0) and not self.stop_requested:
-                with open(log_path, errors="replace") as log:
-                    last = ([line.strip() for line in log if line.strip()] or ["(no output)"])[-1]
+                try:  # the client failed, not the run: an unreadable log only loses its last line
+                    with open(log_path, errors="replace") as log:
+                        lines = [line.strip() for line in log if line.strip()]
+                except OSError as error:
+                    lines = [f"(its log cannot be read: {error.strerror or error})"]
+                last = (lines or ["(no output)"])[-1]
                 print(f"\nerror: local env client {number} exited with status "
                       f"{process.returncode}: {last} (its log: {log_path})", file=sys.stderr)
                 self.status = 1
@@ -1491,19 +1497,21 @@ def naming(what: str):
 
 
 def open_metrics(run_dir: str):
-    """The run's metrics.jsonl, appended to, a line at a time (a resumed run continues it)."""
+    """The run's metrics.jsonl, appended to, a line at a time (a resumed run continues it).
+    Unbuffered: a line that cannot be written (a full disk) is not tried again at the close."""
     path = os.path.join(run_dir, "metrics.jsonl")
     with naming(f"cannot open {path}"):
-        return open(path, "a", buffering=1)
+        return open(path, "ab", buffering=0)
 
 
-def print_failure(error: Exception) -> None:
+def print_failure(error: Exception) -> str:
     """A hook's exception with its traceback; a file of the run that could not be written, in
-    one line that names it."""
+    one line that names it. Returns what the clients are told failed."""
     if isinstance(error, CommandError):
         print(f"error: {error}", file=sys.stderr, flush=True)
-    else:
-        traceback.print_exc()
+        return "OSError in its run directory"  # the run's own files: no hook is blamed
+    traceback.print_exc()
+    return type(error).__name__
 
 
 def checkpoint_paths(run_dir: str) -> list[str]:
@@ -1623,25 +1631,30 @@ def text_chart(curves: dict, rows: int = 12, width: int = 60) -> str:
 # --- How many threads a learn gets: one, or all, whichever is faster now ------------------------
 
 class LearnThreads:
-    """How many torch threads each learn() gets: --learn-threads N, or the faster of 1 and all.
-    All threads learn faster on idle cores, but each waits, spinning, for the others after every
+    """How many torch threads each learn() gets: --learn-threads N, or the faster of 1 and all
+    (one on each core this process may run on, at most `most`, torch's own count). All threads
+    learn faster on idle cores, but each waits, spinning, for the others after every
     operation: once another process takes a core, learns get two to a hundred times slower. So
     blocks of learns are timed (per frame: a learn's work grows with the frames it follows), on
     one thread first, then on all; the other count is tried again after 1 s of learning (twice
-    as long after each try that lost), or at once when a block is 1.5x slower than the last. All
-    threads are tried only while the cores they need sat idle during the learns (from
-    /proc/stat), and a try whose first learn takes twice as long per frame stops there."""
+    as long after each try that lost or that busy cores skipped), or at once when a block is
+    1.5x slower than the last. All threads are tried only while the cores they need sat idle
+    during the learns (those cores' lines of /proc/stat), and a try whose first learn takes
+    twice as long per frame stops there."""
 
-    BLOCK = 11  # learns per timed block; the first waits for sleeping threads: not counted
+    # Learns per timed block. The first waits for sleeping threads: it is left out of the block's
+    # cost, except that a try's first learn, alone, may stop the try at once.
+    BLOCK = 11
 
-    def __init__(self, fixed: int | None, most: int = 1):
-        self.counts = [fixed] if fixed else sorted({1, most})
+    def __init__(self, fixed: int | None, most: int = 1, cores: set[int] | None = None):
+        self.cores = sorted(cores or range(most))  # its affinity (taskset, a cpuset), if known
+        self.counts = [fixed] if fixed else sorted({1, min(most, len(self.cores))})
         self.current = self.counts[0]  # one thread first: the safe choice on a busy machine
         self.trying = None  # the other count, while a block of it is timed
         self.cost, self.block = {}, []  # count -> seconds per frame; this block's (s, frames)
         self.learning, self.try_at, self.wait = 0.0, 0.0, 1.0  # seconds of learning: the clock
         self.fastest, self.warned, self.last = math.inf, False, (0.0, 1)  # last: for progress
-        self.ticks = [0, 0]  # idle and all clock ticks of the machine in learns since a try
+        self.ticks = [0, 0]  # idle and all clock ticks of self.cores in learns since a try
 
     def choose(self) -> int:
         """The thread count for the next learn."""
@@ -1683,7 +1696,7 @@ class LearnThreads:
 
     def end_try(self, cost: float) -> str | None:
         """A tried count must be clearly faster to take over; its cost counts for the warning."""
-        won = len(self.block) >= self.BLOCK and cost < 0.95 * self.cost[self.current]
+        won = cost < 0.95 * self.cost[self.current]  # a try cut short was slower: never a win
         self.current, self.trying, self.block = self.trying if won else self.current, None, []
         self.after_try(won)
         return self.warning(cost)
@@ -1700,7 +1713,7 @@ class LearnThreads:
         idle, every = self.ticks
         if every < 20:
             return True
-        return (os.cpu_count() or 1) * idle / every >= 0.75 * (max(self.counts) - 1)
+        return len(self.cores) * idle / every >= 0.75 * (max(self.counts) - 1)
 
     def warning(self, cost: float) -> str | None:
         """Once: learns now much slower than at their fastest."""
@@ -1712,14 +1725,21 @@ class LearnThreads:
                 "machine busy? Try --learn-threads 1, or fewer processes beside this one")
 
 
-def cpu_ticks() -> tuple[int, int] | None:
-    """(idle, all) clock ticks of every core since boot, from /proc/stat; None off Linux."""
+def cpu_ticks(cores: list[int]) -> tuple[int, int] | None:
+    """(idle, all) clock ticks of these cores since boot, from /proc/stat; None off Linux."""
+    names, idle, every = {f"cpu{core}" for core in cores}, 0, 0
     try:
         with open("/proc/stat") as file:
-            ticks = [int(word) for word in file.readline().split()[1:9]]
+            for line in file:  # "cpu" (all cores), "cpu0", "cpu1", ..., then other counters
+                name, *words = line.split()
+                if not name.startswith("cpu"):
+                    break
+                if name in names:
+                    ticks = [int(word) for word in words[:8]]  # user .. steal
+                    idle, every = idle + ticks[3] + ticks[4], every + sum(ticks)  # idle, iowait
     except (OSError, ValueError):
         return None
-    return ticks[3] + ticks[4], sum(ticks)  # idle and iowait, of user .. steal
+    return idle, every
 
 
 # --- Several learners: the ranks of a torch.distributed launch ---------------------------------
@@ -2337,11 +2357,12 @@ async def run_env_client(args) -> int:
                 raise SystemExit(f"the server failed ({reason}); see its log") from None
             if closed.rcvd and closed.rcvd.code == 1009:  # resending the same message cannot help
                 raise SystemExit(f"the server refused a message as too large ({reason}): raise "
-                                 "its --max-message-bytes, or step fewer --num-envs per client"
-                                 ) from None
+                                 "the server's --max-message-bytes, or step fewer --num-envs per "
+                                 "client") from None
             if closed.sent and closed.sent.code == 1009:
                 raise SystemExit(f"the server sent a message too large for this client "
-                                 f"({closed.sent.reason}): raise its --max-message-bytes") from None
+                                 f"({closed.sent.reason}): raise this client's --max-message-bytes"
+                                 ) from None
             if reason == RUN_FINISHED:
                 ending = "the server ended the run"
             else:  # a restart or a network blink: the decision in flight is dropped
@@ -2595,6 +2616,7 @@ def server_main(argv: list[str], plugins: list[str] = (), background: bool = Fal
                         continue
         with naming(f"cannot make the run directory {run_dir}"):
             os.makedirs(run_dir, exist_ok=True)
+        with naming(f"cannot write {os.path.join(run_dir, CONFIG)}"):
             try:
                 with open(os.path.join(run_dir, CONFIG), "w" if args.resume else "x") as file:
                     json.dump(resolved, file, indent=2)
@@ -2638,9 +2660,9 @@ def server_main(argv: list[str], plugins: list[str] = (), background: bool = Fal
 
 
 def serve(server: Server, host: str, port: int, start, command_line: bool) -> int:
-    """Serving in the main thread: its exit status. SIGINT and SIGTERM call server.on_signal,
-    on the command line until the process exits (main([...]) restores the old handlers after
-    the run). The local clients get 10 s to end, then are killed."""
+    """Serving in the main thread: its exit status. SIGINT and SIGTERM call server.on_signal
+    until the local clients are gone (they get 10 s in all to end, then are killed). Then
+    main([...]) restores the old handlers, and the command line ignores both as it exits."""
     before = {signum: signal.signal(signum, server.on_signal)
               for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -2650,16 +2672,18 @@ def serve(server: Server, host: str, port: int, start, command_line: bool) -> in
         return 1
     finally:
         reap(server.local_clients, 10)
-        for signum, handler in before.items():
-            if not command_line:  # a script or a REPL goes on after the run
-                signal.signal(signum, handler)
+        for signum, handler in before.items():  # a script or a REPL goes on after the run
+            # Python's exit gives a handler back the default action (a copy of SIGTERM would end
+            # the process, status 143) for its last second or so, but leaves SIG_IGN alone.
+            signal.signal(signum, signal.SIG_IGN if command_line else handler)
 
 
 def reap(local_clients: list, seconds: float) -> None:
-    """Wait for each local env client to end, then kill what is left."""
+    """Wait up to `seconds` in all for the local env clients to end, then kill what is left."""
+    deadline = time.monotonic() + seconds  # one for all: N hung clients cost seconds, not N times
     for _, client, _ in local_clients:
         try:
-            client.wait(timeout=seconds)
+            client.wait(timeout=max(deadline - time.monotonic(), 0))
         except subprocess.TimeoutExpired:
             client.kill()
             client.wait()
