@@ -105,7 +105,7 @@ async def run_episodes(ws, executor, num_episodes: int, tally: dict) -> None:
 # leaves on the server while it is in flight, then Server's core, in the order a frame meets it.
 
 RUN_FINISHED = "run finished"  # the close reason that tells a client the run is over (exit 0)
-SERVER_FAILED = "server failed"  # the close reason's prefix when an algorithm hook raised
+SERVER_FAILED = "server failed"  # the close reason's prefix: a hook raised, or a run's file failed
 NO_NODE = (-1, "")  # prev_node when there is no stored frame of this environment to link to
 
 
@@ -198,7 +198,7 @@ class Server:
         self.max_envs = max_envs_per_client  # one client must not hold the loop for everyone
         self.feedback_timeout = feedback_timeout  # [timeout]
         self.token = token  # [token]
-        self.threads = LearnThreads(learn_threads, TORCH_THREADS)  # [learn-threads]
+        self.threads = LearnThreads(learn_threads, TORCH_THREADS, own_cores())  # [learn-threads]
         self.trace_left = trace  # [trace] frames still to narrate
         self.ranks = ranks  # [ranks] the other ranks of a torch.distributed launch
         self.global_step = global_step
@@ -216,6 +216,7 @@ class Server:
         self.signalled_at = None  # when the first SIGINT or SIGTERM came (on_signal)
         self.loop = None  # run()'s event loop, for a signal handler to wake
         self.ended = None  # run()'s status, once it has returned
+        self.closing = False  # control_loop has returned: what the run saves is saved
         self.saved = []  # the checkpoints this run wrote, oldest first: pruning deletes no other
         self.learning_seconds = 0.0  # in learns so far: the serving clock stands still in them
         self.frames = self.discarded = 0  # routed since the start, and of those discarded
@@ -241,10 +242,10 @@ class Server:
             ticker = asyncio.create_task(tick(self.wake))
             try:
                 await self.control_loop()
+                self.closing = True
                 code, reason, status = 1000, RUN_FINISHED, self.status
             except Exception as error:  # a hook raised: no checkpoint is written after it
-                print_failure(error)
-                code, reason, status = 1011, f"{SERVER_FAILED}: {type(error).__name__}", 1
+                code, reason, status = 1011, f"{SERVER_FAILED}: {print_failure(error)}", 1
             ticker.cancel()
             # Stop accepting first, then close every open connection with the reason, the
             # newest too; a handshake still in progress is refused (HTTP 503).
@@ -419,7 +420,8 @@ class Server:
         path = save_checkpoint(self.run_dir, self.algo.create_checkpoint(), counters)
         self.saved = [old for old in self.saved if old != path] + [path]
         for old in self.saved[:-3]:
-            os.remove(old)
+            with naming(f"cannot remove the old checkpoint {old}"):
+                os.remove(old)
         self.saved = self.saved[-3:]
 
     def request_stop(self) -> None:
@@ -459,27 +461,42 @@ def save_checkpoint(run_dir: str, checkpoint: Checkpoint, server_counters: dict)
 
 def serve(server: Server, host: str, port: int, on_listening, command_line: bool) -> int:
     """Serve in the main thread until the run ends: its exit status. SIGINT and SIGTERM call
-    on_signal: on the command line until the process exits; main([...]) restores the handlers
-    it found after the run. The local clients get 10 s to end, then are killed."""
+    on_signal until the local clients are gone; then main([...]) gives back the handlers it
+    found, and the command line ignores both as it exits."""
     handler = functools.partial(on_signal, server)
     before = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return asyncio.run(server.run(host, port, on_listening))
-    except CommandError as error:  # it names what failed: the port, the run directory, a file
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+        return run_status(server, server.run(host, port, on_listening))
     finally:
-        reap(server.local_clients, 10)
-        for signum, handler in before.items():
-            if not command_line:  # a script or a REPL goes on after the run
-                signal.signal(signum, handler)
+        for signum, old in before.items():
+            # Python's exit gives a handler back the default action (a copy of SIGTERM would end
+            # the process, status 143) for its last second or so, but leaves SIG_IGN alone.
+            signal.signal(signum, signal.SIG_IGN if command_line else old)
+
+
+def run_status(server: Server, run) -> int:
+    """asyncio.run(run), the server's run, in this thread: the exit status. A failure around
+    the run is one line and a status: a file or the port (CommandError names it) or a traceback,
+    1; a usage error, its status. The local clients then get 10 s in all to end."""
+    status = 1
+    try:
+        status = asyncio.run(run)
+    except SystemExit as stop:  # another run claimed the run directory meanwhile: 2
+        status = exit_status(stop)
+    except asyncio.CancelledError:  # [notebook] stopped at once, without a final checkpoint
+        status = 130  # [notebook]
+    except Exception as error:
+        print_failure(error)
+    finally:
+        reap(server.local_clients, 0 if status == 130 else 10)
+    return status
 
 
 def on_signal(server: Server, *_) -> None:
     """SIGINT or SIGTERM: stop cleanly. Copies within a second are the same request (timeout,
     docker stop, Slurm and a terminal's Ctrl-C send several); a later one quits at once.
-    A plain handler (signal.signal): it runs between two lines of the loop's thread, a final
-    save's too, and after the loop."""
+    A plain handler: serve() installs it for a run, and a notebook's first Interrupt calls it.
+    It runs between two lines of the loop's thread, a final save's too, and after the loop."""
     now = time.monotonic()
     if server.signalled_at is not None:
         if now - server.signalled_at < 1.0:
@@ -1379,10 +1396,11 @@ class RunRecord:
         self.started = self.shown_at = time.perf_counter()
 
     def open(self, run_dir: str) -> None:
-        """metrics.jsonl, appended to a line at a time (a resumed run continues it)."""
+        """metrics.jsonl, appended to a line at a time (a resumed run continues it). Unbuffered:
+        a line that cannot be written (a full disk) is not tried again at the close."""
         path = os.path.join(run_dir, "metrics.jsonl")
         with naming(f"cannot open {path}"):
-            self.metrics_file = open(path, "a", buffering=1)
+            self.metrics_file = open(path, "ab", buffering=0)
         self.tensorboard = open_tensorboard(run_dir)  # [tensorboard]
 
     def close(self) -> None:
@@ -1436,7 +1454,7 @@ class RunRecord:
                    "server/mean_batch_size": self.inferred_envs / max(self.infer_calls, 1)}
         line = {"event": event, "step": server.global_step, "time": round(elapsed, 3), **metrics}
         with naming(f"cannot write {self.metrics_file.name}"):
-            self.metrics_file.write(json.dumps(line) + "\n")
+            self.metrics_file.write(f"{json.dumps(line)}\n".encode())
         if self.tensorboard is not None:  # [tensorboard]
             write_scalars(self.tensorboard, metrics, server.global_step)  # [tensorboard]
         if self.window_episodes:
@@ -1466,7 +1484,8 @@ def open_run(server, sockets: list, on_listening) -> None:
     print(f"listening on ws://{f'[{host}]' if ':' in host else host}:{port}", flush=True)
     if on_listening is not None:
         on_listening(port)
-    os.makedirs(server.run_dir, exist_ok=True)
+    with naming(f"cannot make the run directory {server.run_dir}"):
+        os.makedirs(server.run_dir, exist_ok=True)
     server.record.open(server.run_dir)
 
 
@@ -1508,13 +1527,14 @@ def naming(what: str):
         raise CommandError(f"{what}: {error.strerror or error}") from None
 
 
-def print_failure(error: Exception) -> None:
+def print_failure(error: Exception) -> str:
     """A hook's exception with its traceback; a file of the run that could not be written, in
-    one line that names it."""
+    one line that names it. Returns what the clients are told failed."""
     if isinstance(error, CommandError):
         print(f"error: {error}", file=sys.stderr, flush=True)
-    else:
-        traceback.print_exc()
+        return "OSError in its run directory"  # the run's own files: no hook is blamed
+    traceback.print_exc()
+    return type(error).__name__
 
 
 def checkpoint_paths(run_dir: str) -> list[str]:
@@ -1543,25 +1563,30 @@ TORCH_THREADS = torch.get_num_threads()  # torch's own count, before the server 
 
 
 class LearnThreads:
-    """How many torch threads each learn() gets: --learn-threads N, or the faster of 1 and all.
-    All threads learn faster on idle cores, but each waits, spinning, for the others after every
+    """How many torch threads each learn() gets: --learn-threads N, or the faster of 1 and all
+    (one on each core this process may run on, at most `most`, torch's own count). All threads
+    learn faster on idle cores, but each waits, spinning, for the others after every
     operation: once another process takes a core, learns get two to a hundred times slower. So
     blocks of learns are timed (per frame: a learn's work grows with the frames it follows), on
     one thread first, then on all; the other count is tried again after 1 s of learning (twice
-    as long after each try that lost), or at once when a block is 1.5x slower than the last. All
-    threads are tried only while the cores they need sat idle during the learns (from
-    /proc/stat), and a try whose first learn takes twice as long per frame stops there."""
+    as long after each try that lost or that busy cores skipped), or at once when a block is
+    1.5x slower than the last. All threads are tried only while the cores they need sat idle
+    during the learns (those cores' lines of /proc/stat), and a try whose first learn takes
+    twice as long per frame stops there."""
 
-    BLOCK = 11  # learns per timed block; the first waits for sleeping threads: not counted
+    # Learns per timed block. The first waits for sleeping threads: it is left out of the block's
+    # cost, except that a try's first learn, alone, may stop the try at once.
+    BLOCK = 11
 
-    def __init__(self, fixed: int | None, most: int = 1):
-        self.counts = [fixed] if fixed else sorted({1, most})
+    def __init__(self, fixed: int | None, most: int = 1, cores: set[int] | None = None):
+        self.cores = sorted(cores or range(most))  # its affinity (taskset, a cpuset), if known
+        self.counts = [fixed] if fixed else sorted({1, min(most, len(self.cores))})
         self.current = self.counts[0]  # one thread first: the safe choice on a busy machine
         self.trying = None  # the other count, while a block of it is timed
         self.cost, self.block = {}, []  # count -> seconds per frame; this block's (s, frames)
         self.learning, self.try_at, self.wait = 0.0, 0.0, 1.0  # seconds of learning: the clock
         self.fastest, self.warned, self.last = math.inf, False, (0.0, 1)  # last: for progress
-        self.ticks = [0, 0]  # idle and all clock ticks of the machine in learns since a try
+        self.ticks = [0, 0]  # idle and all clock ticks of self.cores in learns since a try
         self.learned_frames = 0  # the server's frames at the last learn
 
     def choose(self) -> int:
@@ -1575,10 +1600,10 @@ class LearnThreads:
             threads = self.choose()
             torch.set_num_threads(threads)  # cheap, and per OS thread: inference keeps its one
             started = time.perf_counter()
-            before = cpu_ticks()
+            before = cpu_ticks(self.cores)
             result = learn()
             seconds = time.perf_counter() - started
-            after = cpu_ticks()
+            after = cpu_ticks(self.cores)
             ticks = (after[0] - before[0], after[1] - before[1]) if before and after else None
             warning = self.record(threads, seconds, frames - self.learned_frames, ticks)
             if warning:
@@ -1628,7 +1653,7 @@ class LearnThreads:
 
     def end_try(self, cost: float) -> str | None:
         """A tried count must be clearly faster to take over; its cost counts for the warning."""
-        won = len(self.block) >= self.BLOCK and cost < 0.95 * self.cost[self.current]
+        won = cost < 0.95 * self.cost[self.current]  # a try cut short was slower: never a win
         self.current, self.trying, self.block = self.trying if won else self.current, None, []
         self.after_try(won)
         return self.warning(cost)
@@ -1645,7 +1670,7 @@ class LearnThreads:
         idle, every = self.ticks
         if every < 20:
             return True
-        return (os.cpu_count() or 1) * idle / every >= 0.75 * (max(self.counts) - 1)
+        return len(self.cores) * idle / every >= 0.75 * (max(self.counts) - 1)
 
     def warning(self, cost: float) -> str | None:
         """Once: learns now much slower than at their fastest."""
@@ -1657,14 +1682,26 @@ class LearnThreads:
                 "machine busy? Try --learn-threads 1, or fewer processes beside this one")
 
 
-def cpu_ticks() -> tuple[int, int] | None:
-    """(idle, all) clock ticks of every core since boot, from /proc/stat; None off Linux."""
+def cpu_ticks(cores: list[int]) -> tuple[int, int] | None:
+    """(idle, all) clock ticks of these cores since boot, from /proc/stat; None off Linux."""
+    names, idle, every = {f"cpu{core}" for core in cores}, 0, 0
     try:
         with open("/proc/stat") as file:
-            ticks = [int(word) for word in file.readline().split()[1:9]]
+            for line in file:  # "cpu" (all cores), "cpu0", "cpu1", ..., then other counters
+                name, *words = line.split()
+                if not name.startswith("cpu"):
+                    break
+                if name in names:
+                    ticks = [int(word) for word in words[:8]]  # user .. steal
+                    idle, every = idle + ticks[3] + ticks[4], every + sum(ticks)  # idle, iowait
     except (OSError, ValueError):
         return None
-    return ticks[3] + ticks[4], sum(ticks)  # idle and iowait, of user .. steal
+    return idle, every
+
+
+def own_cores() -> set[int] | None:
+    """The cores this process may run on (taskset, a cpuset); None off Linux."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
 
 
 # ===== [ranks] Several learners: the ranks of a torch.distributed launch =====
@@ -2003,15 +2040,28 @@ def report_main(argv: list[str]) -> int:
 # plugrl_min's own: a kernel runs an event loop already, and its signals are the kernel's. Cut:
 # main([...]) in a cell fails in asyncio.run, as a plain script's would.
 
+def loop_running() -> bool:
+    """True in a notebook cell: its kernel runs an event loop in this thread already."""
+    try:
+        return asyncio.get_running_loop() is not None
+    except RuntimeError:
+        return False
+
 
 def in_a_notebook() -> bool:
-    """True in a notebook cell (its kernel runs an event loop in this thread already), or off
-    the main thread: either way the signals are not the server's to take."""
-    try:
-        asyncio.get_running_loop()
-        return True
-    except RuntimeError:
-        return threading.current_thread() is not threading.main_thread()
+    """True in a notebook cell, or off the main thread: either way the signals are not the
+    server's to take, and it serves on a thread of its own."""
+    return loop_running() or threading.current_thread() is not threading.main_thread()
+
+
+def wait_interruptibly(done: threading.Event, on_interrupt) -> None:
+    """Until done is set; the kernel's Interrupt (a KeyboardInterrupt here) calls on_interrupt().
+    A sleep loop, not thread.join: interrupted, join can think the thread ended."""
+    while not done.is_set():
+        try:
+            time.sleep(0.05)
+        except KeyboardInterrupt:
+            on_interrupt()
 
 
 class Serving:
@@ -2019,13 +2069,15 @@ class Serving:
     blocks like the command line, and the kernel's Interrupt acts as Ctrl-C: once, a clean
     stop with the final checkpoint; again a second later, a stop at once without one (130)."""
 
-    def __init__(self, server: Server, host: str, port: int, start):
-        self.server, self.status, self.task = server, None, None
+    def __init__(self, server: Server, host: str, port: int, on_listening, at_end=None):
+        self.server, self.status, self.task, self.at_end = server, None, None, at_end
         self.started = threading.Event()  # the run directory is claimed, or the run failed
+        self.run_dir_claimed = False  # the first of the two: the run serves
         self.done = threading.Event()
 
         def claimed(port: int) -> None:
-            start(port)
+            on_listening(port)
+            self.run_dir_claimed = True
             self.started.set()
 
         self.thread = threading.Thread(target=self.serve, args=(host, port, claimed),
@@ -2047,16 +2099,16 @@ class Serving:
         async def run() -> int:
             self.task = asyncio.current_task()
             return await self.server.run(host, port, claimed)
+        # Torch's thread count is per thread, and a thread's first use of torch takes the count
+        # set last by any thread: asked first, this one's stays 1 when the caller's is put back.
+        if torch.get_num_threads() != 1:
+            torch.set_num_threads(1)  # one answers small inference batches fastest
         try:
-            self.status = asyncio.run(run())
-        except CommandError as error:
-            print(f"error: {error}", file=sys.stderr)
-            self.status = 1
-        except asyncio.CancelledError:  # stopped at once: no checkpoint
-            self.status = 130
+            self.status = run_status(self.server, run())
         finally:
             self.server.learn_executor.shutdown(wait=False)  # its learn, if any, ends alone
-            reap(self.server.local_clients, 0 if self.status == 130 else 10)
+            if self.at_end is not None:
+                self.at_end()
             self.started.set()
             self.done.set()
 
@@ -2072,33 +2124,72 @@ class Serving:
 
     def wait(self) -> int:
         """Until the run ends: its exit status, as the command line would give it."""
-        while not self.done.is_set():
-            try:
-                time.sleep(0.05)  # not thread.join: interrupted, it can think the thread ended
-            except KeyboardInterrupt:  # the kernel's Interrupt, or Ctrl-C in a REPL
-                first = self.server.signalled_at
-                if first is None or time.monotonic() - first < 1.0:
-                    on_signal(self.server)  # the first, as Ctrl-C (its copies: the same one)
-                elif self.task is not None:  # not on_signal's os._exit: it would end the kernel
-                    print("\nstopped again: stopping now, without a final checkpoint",
-                          file=sys.stderr, flush=True)
-                    self.ask(self.task.cancel)
+        wait_interruptibly(self.done, self.interrupted)
         self.thread.join()
         return self.status
+
+    def interrupted(self) -> None:
+        """The kernel's Interrupt, or Ctrl-C in a REPL: the first as on_signal's Ctrl-C (and its
+        copies, the same request); a later one stops at once, in the server's thread."""
+        first = self.server.signalled_at
+        if self.server.ended is not None:  # its local clients end (reap): nothing to stop
+            print("\nthe run has ended already: its local env clients get up to 10 s to end",
+                  file=sys.stderr, flush=True)
+        elif first is None or time.monotonic() - first < 1.0:
+            on_signal(self.server)
+        else:  # not on_signal's os._exit: it would end the kernel
+            self.ask(self.stop_now)
+
+    def stop_now(self) -> None:
+        """A second Interrupt, in the server's thread: a stop at once, without a final
+        checkpoint, unless the run has saved what it saves and is ending anyway."""
+        if self.server.closing:
+            print("\nstopped again: the run is ending already, after its final save",
+                  file=sys.stderr, flush=True)
+        else:
+            print("\nstopped again: stopping now, without a final checkpoint", file=sys.stderr,
+                  flush=True)
+            self.task.cancel()
 
 
 def start(argv: list[str]) -> Serving:
     """The server command, trained in the background (a notebook stays free): the same words
-    and flags as the command line. Its run_dir is claimed on return; stop() ends it."""
-    plugins, argv = import_plugins(list(argv))
-    import_sac_example()
-    try:
-        serving = server_main(argv, plugins, background=True)
-    except SystemExit as stop:  # a usage error: its line is printed already
-        serving = stop.code
+    and flags as the command line, through main([...]). Its run_dir is claimed on return;
+    stop() ends it. A run that did not start raises RuntimeError, its error printed above."""
+    serving = main(list(argv), background=True)
     if not isinstance(serving, Serving):
-        raise RuntimeError(f"the run did not start (exit status {serving}; see above)")
+        raise RuntimeError(f"the run did not start (exit status {serving}; see the error above)")
     return serving
+
+
+def run_on_a_thread(coroutine):
+    """asyncio.run(coroutine) on a thread of its own, for a notebook cell (its kernel's loop
+    runs in this thread): its result, or its exception raised here. The kernel's Interrupt
+    cancels it, as Ctrl-C does asyncio.run's, and raises KeyboardInterrupt once it has ended."""
+    running, outcome, done, interrupted = [], concurrent.futures.Future(), threading.Event(), []
+
+    async def run():
+        running.append((asyncio.get_running_loop(), asyncio.current_task()))
+        return await coroutine
+
+    def thread() -> None:
+        try:
+            outcome.set_result(asyncio.run(run()))
+        except BaseException as error:  # SystemExit too: raised in the caller's thread
+            outcome.set_exception(error)
+        done.set()
+
+    def cancel() -> None:
+        interrupted.append(True)
+        for loop, task in running:
+            with contextlib.suppress(RuntimeError):  # its loop has closed: it has ended
+                loop.call_soon_threadsafe(task.cancel)
+
+    threading.Thread(target=thread, name="plugrl-env-client", daemon=True).start()
+    wait_interruptibly(done, cancel)
+    if interrupted:
+        raise KeyboardInterrupt
+    return outcome.result()
 
 
 # ===== 13. Messages: what a client hears first, and every field it sends, checked =====
@@ -2549,11 +2640,12 @@ async def run_env_client(args) -> int:
                 raise SystemExit(f"the server failed ({reason}); see its log") from None
             if closed.rcvd and closed.rcvd.code == 1009:  # resending the same message cannot help
                 raise SystemExit(f"the server refused a message as too large ({reason}): raise "
-                                 "its --max-message-bytes, or step fewer --num-envs per client"
-                                 ) from None
+                                 "the server's --max-message-bytes, or step fewer --num-envs per "
+                                 "client") from None
             if closed.sent and closed.sent.code == 1009:
                 raise SystemExit(f"the server sent a message too large for this client "
-                                 f"({closed.sent.reason}): raise its --max-message-bytes") from None
+                                 f"({closed.sent.reason}): raise this client's --max-message-bytes"
+                                 ) from None
             if reason == RUN_FINISHED:
                 ending = "the server ended the run"
             else:  # a restart or a network blink: the decision in flight is dropped
@@ -2745,6 +2837,13 @@ def _usage_error(message) -> int:
     return 2
 
 
+def exit_status(stop: SystemExit) -> int:
+    """The status a SystemExit gives a shell; its message (a str) is printed, as Python does."""
+    if isinstance(stop.code, str):
+        print(stop.code, file=sys.stderr)
+    return stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+
+
 def _choose(configs: dict, classes: dict, kind: str, uid: str, variant: str):
     """_config, or one line that says what to do (status 2, as for a mistyped flag)."""
     if (uid, variant) in configs:
@@ -2779,10 +2878,11 @@ def _building(what: str, build, *args):
 
 
 def server_main(argv: list[str], plugins: list[str] = (), background: bool = False,
-                command_line: bool = False):
+                command_line: bool = False, at_end=None):
     """The server command, in its steps: the words and flags; the policy and algorithm (and the
     other ranks); --resume; the Server; once its port is taken, the run directory and the local
-    clients; then serving until the run ends. Returns the exit status."""
+    clients; then serving until the run ends. Returns the exit status (background: start()'s
+    Serving, once the run serves; at_end() runs as a run on a thread of its own ends)."""
     words, args, configs = parse_server_flags(argv)
     resolved = dict(zip(("policy", "policy_variant", "algorithm", "algo_variant"), words),
                     policy_config=dataclasses.asdict(configs["policy"]),
@@ -2814,8 +2914,8 @@ def server_main(argv: list[str], plugins: list[str] = (), background: bool = Fal
         start_local_clients(server, args, local_env, plugins, port)
 
     if background or in_a_notebook():  # [notebook] the server on a thread of its own
-        serving = Serving(server, args.host, args.port, on_listening)  # [notebook]
-        return serving if background else serving.wait()  # [notebook]
+        serving = Serving(server, args.host, args.port, on_listening, at_end)  # [notebook]
+        return serving if background and serving.run_dir_claimed else serving.wait()  # [notebook]
     return serve(server, args.host, args.port, on_listening, command_line)
 
 
@@ -2956,6 +3056,11 @@ def choose_local_env(args: argparse.Namespace, metadata: dict, example_env: str 
             if local_env is None:
                 raise ValueError("no registered environment fits this policy: name one with "
                                  "--local-env ENV_ID")
+            defined_in = getattr(ENVIRONMENTS.get(local_env), "__module__", __name__)
+            if defined_in == "__main__" and __name__ != "__main__":  # a notebook cell, a script
+                raise ValueError(f"environment {local_env!r} is defined in __main__, which the "
+                                 "--local-env-clients processes cannot import: define it in a "
+                                 "module and add --plugin MODULE")
             check_metadata(metadata, MultiAction(make_env(local_env)), False)
         except (ValueError, SystemExit) as error:
             raise SystemExit(_usage_error(error)) from None
@@ -2981,6 +3086,7 @@ def claim_run_dir(args: argparse.Namespace, words: list[str], local_env: str | N
                     continue
     with naming(f"cannot make the run directory {run_dir}"):
         os.makedirs(run_dir, exist_ok=True)
+    with naming(f"cannot write {os.path.join(run_dir, CONFIG)}"):
         try:
             with open(os.path.join(run_dir, CONFIG), "w" if args.resume else "x") as file:
                 json.dump(resolved, file, indent=2)
@@ -3027,8 +3133,12 @@ def watch_local_clients(server: Server) -> None:
     """A local env client (--local-env-clients) that failed stops the run, with status 1."""
     for number, process, log_path in server.local_clients:
         if process.poll() not in (None, 0) and not server.stop_requested:
-            with open(log_path, errors="replace") as log:
-                last = ([line.strip() for line in log if line.strip()] or ["(no output)"])[-1]
+            try:  # the client failed, not the run: an unreadable log only loses its last line
+                with open(log_path, errors="replace") as log:
+                    lines = [line.strip() for line in log if line.strip()]
+            except OSError as error:
+                lines = [f"(its log cannot be read: {error.strerror or error})"]
+            last = (lines or ["(no output)"])[-1]
             print(f"\nerror: local env client {number} exited with status "
                   f"{process.returncode}: {last} (its log: {log_path})", file=sys.stderr)
             server.status = 1
@@ -3036,10 +3146,11 @@ def watch_local_clients(server: Server) -> None:
 
 
 def reap(local_clients: list, seconds: float) -> None:
-    """Wait for each local env client to end, then kill what is left."""
+    """Wait up to `seconds` in all for the local env clients to end, then kill what is left."""
+    deadline = time.monotonic() + seconds  # one for all: N hung clients cost seconds, not N times
     for _, client, _ in local_clients:
         try:
-            client.wait(timeout=seconds)
+            client.wait(timeout=max(deadline - time.monotonic(), 0))
         except subprocess.TimeoutExpired:
             client.kill()
             client.wait()
@@ -3071,8 +3182,10 @@ def env_client_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.num_envs < 1 or args.num_episodes < 0:
         parser.error("--num-envs must be at least 1 and --num-episodes at least 0")
+    run = asyncio.run
+    run = run_on_a_thread if loop_running() else run  # [notebook] a cell: the kernel's loop runs
     try:
-        return asyncio.run(run_env_client(args))
+        return run(run_env_client(args))
     except (SystemExit, ValueError) as error:  # SystemExit(message): a clear stop, with its reason
         if isinstance(error, SystemExit) and not isinstance(error.code, str):
             raise  # a bare exit status from elsewhere (a plug-in, a library) keeps its meaning
@@ -3110,10 +3223,17 @@ def import_sac_example() -> None:
         spec.loader.exec_module(module)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, background: bool = False):
     """The command line: the server, env-client or report. main() reads sys.argv and exits
-    with the status; main([...]) returns it, as pytest.main does (in a notebook cell too)."""
+    with the status; main([...]) returns it, as pytest.main does (in a notebook cell too), and
+    leaves the caller's torch thread count and global RNG states (torch, numpy) as they were.
+    background: start()'s, a Serving once the run serves (its end puts the RNG states back)."""
     words = list(sys.argv[1:] if argv is None else argv)
+    threads, rng = torch.get_num_threads(), (torch.get_rng_state(), np.random.get_state())
+
+    def put_back_rng() -> None:  # the run's --seed and draws do not outlast it
+        torch.set_rng_state(rng[0])
+        np.random.set_state(rng[1])
     try:
         plugins, words = import_plugins(words)
         commands = {"env-client": env_client_main}
@@ -3121,18 +3241,19 @@ def main(argv: list[str] | None = None) -> int:
         command = commands.get(words[0] if words else "")
         if command is None:  # only the server serves sac
             import_sac_example()
-        status = (server_main(words, plugins, command_line=argv is None) if command is None
-                  else command(words[1:]))
+        status = (server_main(words, plugins, background, argv is None, put_back_rng)
+                  if command is None else command(words[1:]))
     except RegistrationError as error:
         status = _usage_error(error)
     except SystemExit as stop:  # argparse's --help and usage errors, a one-line error
         if argv is None:
             raise
-        if isinstance(stop.code, str):
-            print(stop.code, file=sys.stderr)
-        status = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+        status = exit_status(stop)
     if argv is None:
         sys.exit(status)
+    torch.set_num_threads(threads)  # the server's thread count was set in this thread
+    if isinstance(status, int):  # a run in the background puts them back as it ends
+        put_back_rng()
     return status
 
 

@@ -2904,6 +2904,19 @@ def test_an_env_client_refused_for_size_stops_at_once_naming_the_limit_and_the_f
     assert "exceeds limit of 100 bytes" in err and "--max-message-bytes" in err, err
 
 
+@pytest.mark.parametrize("whose, advice", [("server", "raise the server's --max-message-bytes"),
+                                           ("client", "raise this client's --max-message-bytes")])
+def test_an_env_client_stopped_by_a_size_limit_says_whose_limit_to_raise(tmp_path, capsys, whose, advice):
+    async def script(port, server):  # 100 bytes: less than the client's first infer or the metadata
+        return await env_client_in_process("dummy-v1", "--server-port", port, "--num-envs", "4",
+                                           "--num-episodes", "0",
+                                           *(["--max-message-bytes", "100"] if whose == "client" else []))
+
+    _, status = run_server(Probe(), tmp_path, script, **({"max_message_bytes": 100} if whose == "server" else {}))
+    err = capsys.readouterr().err
+    assert status == 1 and advice in err, err
+
+
 def test_the_default_max_message_bytes_is_16_mib(tmp_path):
     async def script(port, server):
         at_limit, over = await Client.connect(port), await Client.connect(port)
@@ -3409,6 +3422,25 @@ def test_an_exception_in_a_hook_writes_no_checkpoint(tmp_path, hook):
     assert checkpoint_steps(tmp_path) == []
 
 
+def test_a_metrics_file_that_cannot_be_written_is_named_and_the_clients_are_not_told_a_hook_failed(
+        tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")  # a full disk: every write fails
+    status, closes = run_server(Faulty(None), tmp_path, two_clients_until_closed, log_every=1)
+    err = capsys.readouterr().err
+    assert status == 1 and closes == ((1011, "server failed: OSError in its run directory"),) * 2
+    assert f"error: cannot write {tmp_path / 'metrics.jsonl'}: No space left on device" in err
+    assert "Traceback" not in err
+
+
+def test_an_old_checkpoint_that_cannot_be_pruned_is_named_in_one_line(tmp_path):
+    server = plugrl_min.Server(dummy_algo(small_policy(), 1000), str(tmp_path), ("dummy-policy", "dummy"))
+    old = tmp_path / "checkpoints" / "step_000000000001.pt"
+    old.mkdir(parents=True)  # what os.remove cannot remove, even as root
+    server.saved = [str(old), str(tmp_path / "b"), str(tmp_path / "c")]  # the fourth save prunes the first
+    with pytest.raises(plugrl_min.CommandError, match=re.escape(f"cannot remove the old checkpoint {old}: ")):
+        server.save()
+
+
 class SavesNumpyInMeta(Faulty):
     """create_checkpoint puts a numpy integer in meta: torch.load(weights_only=True) refuses such a file."""
 
@@ -3656,6 +3688,28 @@ def test_a_run_directory_that_cannot_be_made_is_named_and_no_bind_is_blamed(tmp_
     err = capsys.readouterr().err
     assert status == 1 and "error: cannot make the run directory /proc/nope/run: " in err, err
     assert "listen" not in err
+
+
+def test_a_server_run_whose_run_directory_cannot_be_made_names_it():
+    server = plugrl_min.Server(Probe(), "/proc/nope/run", ("dummy-policy", "probe"))
+    with pytest.raises(plugrl_min.CommandError, match=re.escape("cannot make the run directory /proc/nope/run: ")):
+        asyncio.run(server.run("127.0.0.1", 0))
+
+
+def test_a_local_client_whose_log_cannot_be_read_still_stops_the_run_cleanly_naming_the_log(tmp_path, capsys):
+    failed = subprocess.Popen(["false"])
+    failed.wait()
+    log = tmp_path / "gone" / "env-client-1.log"
+
+    async def script(port, server):
+        server.local_clients.append((1, failed, str(log)))
+        return await feed(port)  # until the server closes the connection
+
+    status, (_, closed) = run_server(Probe(), tmp_path / "run", script)
+    err = capsys.readouterr().err
+    assert status == 1 and closed == (1000, "run finished"), err
+    assert (f"error: local env client 1 exited with status 1: (its log cannot be read: No such file or "
+            f"directory) (its log: {log})") in err
 
 
 def test_binding_a_non_loopback_address_without_a_token_prints_a_warning(tmp_path, capsys, monkeypatch):
@@ -5612,6 +5666,20 @@ def test_a_local_client_that_exits_nonzero_stops_the_server_with_status_1_naming
     assert checkpoint_steps(tmp_path / "run") == [30]  # the final checkpoint all the same
 
 
+def test_local_clients_that_never_end_share_one_deadline_then_are_killed():
+    hung = [subprocess.Popen(["sleep", "600"]) for _ in range(3)]  # clients deaf to the end of the run
+    try:
+        started = time.monotonic()
+        plugrl_min.reap([(i, process, "") for i, process in enumerate(hung, 1)], 2.0)
+        seconds = time.monotonic() - started
+        statuses = [process.poll() for process in hung]
+    finally:
+        for process in hung:
+            process.kill()
+            process.wait()
+    assert 2.0 <= seconds < 4.0 and statuses == [-signal.SIGKILL] * 3  # 2 s in all, not 2 s each
+
+
 @pytest.fixture(scope="module")
 def sac_run_logged_every_300(tmp_path_factory):
     """sac on dummy-v1 for 1,000 steps, learning from step 200, a metrics line every 300 steps."""
@@ -5654,7 +5722,7 @@ def test_the_window_weights_each_learns_rollout_means_by_its_episodes(tmp_path):
     server.record.add({"rollout/reward": -10.0, "rollout/episodes": 1, "train/loss": 1.0})
     server.record.add({"rollout/reward": -1.0, "rollout/episodes": 3, "train/loss": 3.0})
     server.record.add({"rollout/reward": 0.0, "rollout/episodes": 0, "train/loss": 5.0})
-    with open(tmp_path / "metrics.jsonl", "w") as server.record.metrics_file:
+    with open(tmp_path / "metrics.jsonl", "wb") as server.record.metrics_file:
         server.record.write(server, "learn")
     (line,) = read_metrics(tmp_path, None)
     assert line["rollout/reward"] == (-10.0 + 3 * -1.0) / 4 and line["rollout/episodes"] == 4
@@ -5778,6 +5846,40 @@ def test_learns_that_follow_no_frame_are_not_timed_so_endless_learns_give_no_war
     threads = plugrl_min.LearnThreads(2, most=2)
     warnings = [threads.record(2, 0.01, 1000)] * 30 + [threads.record(2, 0.01, 0) for _ in range(300)]
     assert not any(warnings) and threads.last == (0.01, 2)  # the progress line still shows it
+
+
+def pinned_to(core: int):
+    """preexec_fn of a child that may run on this one core only (as under taskset -c CORE)."""
+    return lambda: os.sched_setaffinity(0, {core})
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this system")
+def test_a_server_pinned_to_one_core_learns_on_one_thread_though_torch_would_use_two(tmp_path):
+    script = ("import torch, plugrl_min\n"
+              "algo = plugrl_min.make_algo('dummy', plugrl_min.make_policy('dummy-policy'))\n"
+              "server = plugrl_min.Server(algo, 'run', ('dummy-policy', 'dummy'))\n"
+              "print(torch.get_num_threads(), server.threads.counts)")
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                            env={**subprocess_env(HERE), "OMP_NUM_THREADS": "2"}, timeout=60,
+                            preexec_fn=pinned_to(min(os.sched_getaffinity(0))))
+    assert result.stdout.split() == ["2", "[1]"], result.stdout + result.stderr  # torch's 2: one core
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="no /proc/stat on this system")
+def test_cpu_ticks_count_only_the_cores_asked_for_and_a_core_kept_busy_is_not_idle():
+    core = min(os.sched_getaffinity(0))
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=pinned_to(core))
+    try:
+        before = plugrl_min.cpu_ticks([core])
+        deadline = time.monotonic() + 30
+        while (after := plugrl_min.cpu_ticks([core]))[1] - before[1] < 50:  # half a second of that core
+            assert time.monotonic() < deadline, "the core's clock ticks did not advance"
+            time.sleep(0.05)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    idle, every = after[0] - before[0], after[1] - before[1]
+    assert idle / every < 0.2, (idle, every)  # the whole machine's line would count the other cores' idle
 
 
 def test_the_chart_marks_a_cell_two_runs_share_with_a_star():
@@ -6546,6 +6648,14 @@ def test_a_reused_run_directory_without_resume_is_refused_and_its_bytes_are_unch
     assert folder_bytes(run) == before
 
 
+def test_a_config_json_that_cannot_be_written_is_named_not_the_run_directory(earlier_run):
+    run, _ = earlier_run
+    (run / "config.json").unlink()
+    (run / "config.json").symlink_to("/dev/full")  # a full disk: every write fails
+    status, _, err = run_main(*dummy_run_command("--run-dir", run, "--resume")[2:])
+    assert status == 1 and f"error: cannot write {run / 'config.json'}: No space left on device" in err, err
+
+
 def test_a_start_with_a_taken_port_leaves_an_earlier_runs_folder_as_it_was(earlier_run):
     run, before = earlier_run
     with socket.socket() as taken:
@@ -6682,6 +6792,34 @@ def test_a_copy_of_sigterm_after_the_event_loop_closed_still_exits_0(tmp_path):
         status = server.wait(30)
     assert status == 0, server.stderr()
     assert checkpoint_steps(run_dir)[-1] == 150
+
+
+def test_copies_of_sigterm_until_the_process_is_gone_leave_status_0_with_a_local_client_and_a_learn_thread(
+        tmp_path):
+    run_dir = tmp_path / "run"
+    command = ["plugrl_min.py", "dummy-policy", "default", "pg", "default", "--local-env-clients", "1",
+               "--algo.global-steps", "1000000000", "--run-dir", str(run_dir)]
+    chart_ended = re.compile(r"^ {10} 0 +[\d,]+$", re.M)  # the report's last line: the run has ended
+    with Background(tmp_path, "server", command) as server:
+        wait_for_a_learn_line(run_dir, server.proc)  # pg has learned: its learn thread is there
+        first = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        copies_after_the_end = 0
+        # A copy every 20 ms: within the first second (the same request), and from the end of the run
+        # until the process is gone (nothing left to stop). Between, a copy rightly quits at once (130).
+        while server.proc.poll() is None and time.monotonic() < first + 60:
+            if chart_ended.search(server.stdout()):
+                copies_after_the_end += 1
+            elif time.monotonic() - first > 0.95:
+                time.sleep(0.02)
+                continue
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.02)
+        status = server.wait(30)
+    assert status == 0, server.stdout()[-1500:] + server.stderr()
+    assert copies_after_the_end >= 1 and "without a final checkpoint" not in server.stderr()
+    step = int(re.search(r"run finished: global step (\d+)", server.stdout()).group(1))
+    assert checkpoint_steps(run_dir)[-1] == step
 
 
 @pytest.mark.parametrize("how", ["PLUGRL_TOKEN=", "--token ''"])
@@ -6932,6 +7070,26 @@ def test_an_infer_with_more_environments_than_the_cap_is_refused_before_the_poli
                                 "--max-envs-per-client)")
     infers = [tags for event, *tags in probe.events if event == "infer"]
     assert closed[0] == 1008 and len(infers) == 1  # the first; the policy never saw the second
+
+
+def test_exactly_max_envs_per_client_environments_are_served(tmp_path):
+    async def script(port, server):
+        client = await Client.connect(port)
+        return await client.step([0, 1, 2, 3], [0.1, 0.2, 0.3, 0.4])  # four environments: the cap
+
+    _, reply = run_server(Probe(), tmp_path, script, max_envs_per_client=4)
+    assert reply["message_type"] == "action" and len(reply["action"]) == 4
+
+
+def test_a_client_at_or_under_the_cap_infers_the_environments_it_holds_again_and_again(tmp_path):
+    async def script(port, server):
+        client = await Client.connect(port)
+        replies = [await client.step([0, 1, 2], [0.1, 0.2, 0.3]) for _ in range(3)]  # three of four
+        replies += [await client.step([0, 1, 2, 3], [0.1, 0.2, 0.3, 0.4]) for _ in range(3)]  # all four
+        return replies
+
+    _, replies = run_server(Probe(), tmp_path, script, max_envs_per_client=4)
+    assert [len(reply["action"]) for reply in replies] == [3, 3, 3, 4, 4, 4]
 
 
 def test_every_key_of_a_dict_observation_is_checked_a_wrong_dtype_in_the_second_is_refused_naming_it():
@@ -7861,6 +8019,27 @@ def test_exercise_9s_command_as_written_parses_with_its_seed(tmp_path, plugins_i
     seen = seen_by_the_server(words, monkeypatch)
     assert seen["seed"] == 3 and seen["global_steps"] == 100_000
     assert "gamma 0.99" in exercise_text(9) and 'policy.logits(obs["state"])' in exercise_text(9)
+
+
+NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
+
+
+def test_every_exercise_range_parses_as_the_bench_reads_it_and_reaches_past_the_seeds_figures_it_quotes():
+    counts = {number: len(exercise_ranges(number)) for number in range(1, 10)}
+    assert counts == {1: 1, 2: 0, 3: 1, 4: 0, 5: 0, 6: 3, 7: 6, 8: 3, 9: 2}  # measure_exercise's figures
+    for number in range(1, 10):
+        check = exercise_text(number).split("*Check:*", 1)[1]
+        floor = re.search(r"at least (\d+)x", check)  # exercise 4's range has no top
+        spans = re.split(rf"({NUMBER}) to ({NUMBER})", check)  # text, low, high, text, low, high, ...
+        ranges = [(float(floor.group(1)), math.inf, check[floor.end():])] if floor else []
+        ranges += [(*sorted(float(n.replace(",", "")) for n in spans[i:i + 2]), spans[i + 2])
+                   for i in range(1, len(spans), 3)
+                   if not spans[i - 1].endswith("`pg`: ")]  # exercise 8 quotes exercise 7's pg range
+        for low, high, after in ranges:  # after: the text up to the next range, where its figures are
+            quoted = re.findall(rf"{NUMBER}(?: / {NUMBER})+|between {NUMBER} and {NUMBER}", after)
+            figures = [float(n.replace(",", "")) for group in quoted for n in re.findall(NUMBER, group)]
+            assert figures, f"exercise {number}: {low:g} to {high:g} quotes no seed's figure"
+            assert low < min(figures) and (max(figures) < high or high == 500), (number, low, high, figures)
 
 
 def test_start_with_a_usage_error_raises_and_names_the_status_after_the_one_line_error(capsys):
