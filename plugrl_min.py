@@ -1020,6 +1020,7 @@ class Server:
         self.signalled_at = None  # when the first SIGINT or SIGTERM came
         self.loop = None  # run()'s event loop, for a signal handler to wake
         self.ended = None  # run()'s status, once it has returned
+        self.closing = False  # control_loop has returned: what the run saves is saved
         self.saved = []  # the checkpoints this run wrote, oldest first: pruning deletes no other
         self.learning_seconds = 0.0  # in learns so far: the serving clock stands still in them
         self.learned_frames = 0  # self.frames then: a learn's work grows with the frames since
@@ -1058,6 +1059,7 @@ class Server:
                 ticker = asyncio.create_task(self.tick())
                 try:
                     await self.control_loop()
+                    self.closing = True
                     code, reason, status = 1000, RUN_FINISHED, self.status
                 except Exception as error:  # a hook raised: no checkpoint is written after it
                     print_failure(error)
@@ -1248,7 +1250,7 @@ class Server:
     def on_signal(self, *_) -> None:
         """SIGINT or SIGTERM: stop cleanly. Copies within a second are the same request (timeout,
         docker stop, Slurm and a terminal's Ctrl-C send several); a later one quits at once.
-        A plain handler (signal.signal), installed by the command line until the process exits:
+        The plain handler serve() installs for a run (the command line's until exit), and Serving's:
         it runs between two lines of the loop's thread, a final save's too, and after the loop."""
         now = time.monotonic()
         if self.signalled_at is not None:
@@ -2393,6 +2395,13 @@ def _usage_error(message) -> int:
     return 2
 
 
+def exit_status(stop: SystemExit) -> int:
+    """The status a SystemExit gives a shell; its message (a str) is printed, as Python does."""
+    if isinstance(stop.code, str):
+        print(stop.code, file=sys.stderr)
+    return stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+
+
 def _choose(configs: dict, classes: dict, kind: str, uid: str, variant: str):
     """_config, or one line that says what to do (status 2, as for a mistyped flag)."""
     if (uid, variant) in configs:
@@ -2427,8 +2436,9 @@ def _building(what: str, build, *args):
 
 
 def server_main(argv: list[str], plugins: list[str] = (), background: bool = False,
-                command_line: bool = False):
-    """Parse the server command line, build policy and algorithm, maybe resume, and serve."""
+                command_line: bool = False, at_end=None):
+    """Parse the server command line, build policy and algorithm, maybe resume, and serve.
+    at_end(): called as a run on a thread of its own ends (main's: the caller's RNG back)."""
     words = argv[:4]  # POLICY VARIANT ALGO VARIANT
     if len(words) < 4 or any(word.startswith("-") for word in words):  # --help alone lands here
         print("usage: python plugrl_min.py POLICY VARIANT ALGO VARIANT [flags; --help lists them]\n"
@@ -2573,6 +2583,11 @@ def server_main(argv: list[str], plugins: list[str] = (), background: bool = Fal
             if local_env is None:
                 raise ValueError("no registered environment fits this policy: name one with "
                                  "--local-env ENV_ID")
+            defined_in = getattr(ENVIRONMENTS.get(local_env), "__module__", __name__)
+            if defined_in == "__main__" and __name__ != "__main__":  # a notebook cell, a script
+                raise ValueError(f"environment {local_env!r} is defined in __main__, which the "
+                                 "--local-env-clients processes cannot import: define it in a "
+                                 "module and add --plugin MODULE")
             check_metadata(server.metadata, MultiAction(make_env(local_env)), False)
         except (ValueError, SystemExit) as error:
             return _usage_error(error)
@@ -2633,8 +2648,8 @@ def server_main(argv: list[str], plugins: list[str] = (), background: bool = Fal
     if not background and threading.current_thread() is threading.main_thread() and not (
             loop_running()):
         return serve(server, args.host, args.port, start, command_line)
-    serving = Serving(server, args.host, args.port, start)  # a notebook cell, or start()
-    return serving if background else serving.wait()
+    serving = Serving(server, args.host, args.port, start, at_end)  # a notebook cell, start()
+    return serving if background and serving.run_dir_claimed else serving.wait()
 
 
 def serve(server: Server, host: str, port: int, start, command_line: bool) -> int:
@@ -2644,15 +2659,30 @@ def serve(server: Server, host: str, port: int, start, command_line: bool) -> in
     before = {signum: signal.signal(signum, server.on_signal)
               for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return asyncio.run(server.run(host, port, start))
-    except CommandError as error:  # it names what failed: the port, the run directory, a file
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+        return run_status(server, server.run(host, port, start))
     finally:
-        reap(server.local_clients, 10)
         for signum, handler in before.items():
             if not command_line:  # a script or a REPL goes on after the run
                 signal.signal(signum, handler)
+
+
+def run_status(server: Server, run) -> int:
+    """asyncio.run(run), the server's run, in this thread: its exit status. A failure is one
+    line and a status: a file or the port (CommandError, which names it) or a traceback, 1; the
+    run directory claimed by another run meanwhile, 2; stopped at once (cancelled), 130. The
+    local clients then get 10 s to end (none after a stop at once), then are killed."""
+    status = 1
+    try:
+        status = asyncio.run(run)
+    except SystemExit as stop:
+        status = exit_status(stop)
+    except asyncio.CancelledError:  # stopped at once: no checkpoint
+        status = 130
+    except Exception as error:
+        print_failure(error)
+    finally:
+        reap(server.local_clients, 0 if status == 130 else 10)
+    return status
 
 
 def reap(local_clients: list, seconds: float) -> None:
@@ -2681,13 +2711,15 @@ class Serving:
     blocks like the command line, and the kernel's Interrupt acts as Ctrl-C: once, a clean
     stop with the final checkpoint; again a second later, a stop at once without one (130)."""
 
-    def __init__(self, server: Server, host: str, port: int, start):
-        self.server, self.status, self.task = server, None, None
+    def __init__(self, server: Server, host: str, port: int, start, at_end=None):
+        self.server, self.status, self.task, self.at_end = server, None, None, at_end
         self.started = threading.Event()  # the run directory is claimed, or the run failed
+        self.run_dir_claimed = False  # the first of the two: the run serves
         self.done = threading.Event()
 
         def claimed(port: int) -> None:
             start(port)
+            self.run_dir_claimed = True
             self.started.set()
 
         self.thread = threading.Thread(target=self.serve, args=(host, port, claimed),
@@ -2709,16 +2741,16 @@ class Serving:
         async def run() -> int:
             self.task = asyncio.current_task()
             return await self.server.run(host, port, claimed)
+        # Torch's thread count is per thread, and a thread's first use of torch takes the count
+        # set last by any thread: asked first, this one's stays 1 when the caller's is put back.
+        if torch.get_num_threads() != 1:
+            torch.set_num_threads(1)  # one answers small inference batches fastest
         try:
-            self.status = asyncio.run(run())
-        except CommandError as error:
-            print(f"error: {error}", file=sys.stderr)
-            self.status = 1
-        except asyncio.CancelledError:  # stopped at once: no checkpoint
-            self.status = 130
+            self.status = run_status(self.server, run())
         finally:
             self.server.learn_executor.shutdown(wait=False)  # its learn, if any, ends alone
-            reap(self.server.local_clients, 0 if self.status == 130 else 10)
+            if self.at_end is not None:
+                self.at_end()
             self.started.set()
             self.done.set()
 
@@ -2739,28 +2771,67 @@ class Serving:
                 time.sleep(0.05)  # not thread.join: interrupted, it can think the thread ended
             except KeyboardInterrupt:  # the kernel's Interrupt, or Ctrl-C in a REPL
                 first = self.server.signalled_at
-                if first is None or time.monotonic() - first < 1.0:
+                if self.server.ended is not None:  # its local clients end (reap): nothing to stop
+                    print("\nthe run has ended already: its local env clients get up to 10 s to "
+                          "end", file=sys.stderr, flush=True)
+                elif first is None or time.monotonic() - first < 1.0:
                     self.server.on_signal()  # the first, as Ctrl-C (its copies: the same one)
-                elif self.task is not None:  # not on_signal's os._exit: it would end the kernel
-                    print("\nstopped again: stopping now, without a final checkpoint",
-                          file=sys.stderr, flush=True)
-                    self.ask(self.task.cancel)
+                else:  # not on_signal's os._exit: it would end the kernel
+                    self.ask(self.stop_now)
         self.thread.join()
         return self.status
+
+    def stop_now(self) -> None:
+        """A second Interrupt, in the server's thread: a stop at once, without a final
+        checkpoint, unless the run has saved what it saves and is ending anyway."""
+        if self.server.closing:
+            print("\nstopped again: the run is ending already, after its final save",
+                  file=sys.stderr, flush=True)
+        else:
+            print("\nstopped again: stopping now, without a final checkpoint", file=sys.stderr,
+                  flush=True)
+            self.task.cancel()
 
 
 def start(argv: list[str]) -> Serving:
     """The server command, trained in the background (a notebook stays free): the same words
-    and flags as the command line. Its run_dir is claimed on return; stop() ends it."""
-    plugins, argv = import_plugins(list(argv))
-    import_sac_example()
-    try:
-        serving = server_main(argv, plugins, background=True)
-    except SystemExit as stop:  # a usage error: its line is printed already
-        serving = stop.code
+    and flags as the command line, through main([...]). Its run_dir is claimed on return;
+    stop() ends it. A run that did not start raises RuntimeError, its error printed above."""
+    serving = main(list(argv), background=True)
     if not isinstance(serving, Serving):
-        raise RuntimeError(f"the run did not start (exit status {serving}; see above)")
+        raise RuntimeError(f"the run did not start (exit status {serving}; see the error above)")
     return serving
+
+
+def run_on_a_thread(coroutine):
+    """asyncio.run(coroutine) on a thread of its own, for a notebook cell (its kernel's loop
+    runs in this thread): its result, or its exception raised here. The kernel's Interrupt
+    cancels it, as Ctrl-C does asyncio.run's, and raises KeyboardInterrupt once it has ended."""
+    tasks, outcome = [], concurrent.futures.Future()
+
+    async def run():
+        tasks.append((asyncio.get_running_loop(), asyncio.current_task()))
+        return await coroutine
+
+    def thread() -> None:
+        try:
+            outcome.set_result(asyncio.run(run()))
+        except BaseException as error:  # SystemExit too: raised in the caller's thread
+            outcome.set_exception(error)
+
+    threading.Thread(target=thread, name="plugrl-env-client", daemon=True).start()
+    interrupted = False
+    while not outcome.done():
+        try:
+            time.sleep(0.05)  # not a blocking wait: the Interrupt must reach this thread
+        except KeyboardInterrupt:
+            interrupted = True
+            for loop, task in tasks:
+                with contextlib.suppress(RuntimeError):  # its loop has closed: it has ended
+                    loop.call_soon_threadsafe(task.cancel)
+    if interrupted:
+        raise KeyboardInterrupt
+    return outcome.result()
 
 
 def report_main(argv: list[str]) -> int:
@@ -2805,8 +2876,8 @@ def env_client_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.num_envs < 1 or args.num_episodes < 0:
         parser.error("--num-envs must be at least 1 and --num-episodes at least 0")
-    try:
-        return asyncio.run(run_env_client(args))
+    try:  # in a notebook cell, on a thread of its own: the kernel's loop runs in this one
+        return (run_on_a_thread if loop_running() else asyncio.run)(run_env_client(args))
     except (SystemExit, ValueError) as error:  # SystemExit(message): a clear stop, with its reason
         if isinstance(error, SystemExit) and not isinstance(error.code, str):
             raise  # a bare exit status from elsewhere (a plug-in, a library) keeps its meaning
@@ -2844,28 +2915,36 @@ def import_sac_example() -> None:
         spec.loader.exec_module(module)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, background: bool = False) -> int | Serving:
     """The command line: the server, env-client or report. main() reads sys.argv and exits
-    with the status; main([...]) returns it, as pytest.main does (in a notebook cell too)."""
+    with the status; main([...]) returns it, as pytest.main does (in a notebook cell too), and
+    leaves the caller's torch thread count and global RNG states (torch, numpy) as they were.
+    background: start()'s, a Serving once the run serves (its end puts the RNG states back)."""
     words = list(sys.argv[1:] if argv is None else argv)
+    threads, rng = torch.get_num_threads(), (torch.get_rng_state(), np.random.get_state())
+
+    def put_back_rng() -> None:  # the run's --seed and draws do not outlast it
+        torch.set_rng_state(rng[0])
+        np.random.set_state(rng[1])
     try:
         plugins, words = import_plugins(words)
         command = {"env-client": env_client_main,
                    "report": report_main}.get(words[0] if words else "")
         if command is None:  # only the server serves sac
             import_sac_example()
-        status = (server_main(words, plugins, command_line=argv is None) if command is None
-                  else command(words[1:]))
+        status = (server_main(words, plugins, background, argv is None, put_back_rng)
+                  if command is None else command(words[1:]))
     except RegistrationError as error:
         status = _usage_error(error)
     except SystemExit as stop:  # argparse's --help and usage errors, a one-line error
         if argv is None:
             raise
-        if isinstance(stop.code, str):
-            print(stop.code, file=sys.stderr)
-        status = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+        status = exit_status(stop)
     if argv is None:
         sys.exit(status)
+    torch.set_num_threads(threads)  # the server's thread count was set in this thread
+    if not isinstance(status, Serving):  # a run in the background puts them back as it ends
+        put_back_rng()
     return status
 
 
