@@ -469,8 +469,7 @@ def serve(server: Server, host: str, port: int, on_listening, command_line: bool
         return run_status(server, server.run(host, port, on_listening))
     finally:
         for signum, old in before.items():
-            # Python's exit gives a handler back the default action (a copy of SIGTERM would end
-            # the process, status 143) for its last second or so, but leaves SIG_IGN alone.
+            # As Python exits it resets a handler, not SIG_IGN: a copy of SIGTERM would kill (143).
             signal.signal(signum, signal.SIG_IGN if command_line else old)
 
 
@@ -501,8 +500,8 @@ def on_signal(server: Server, *_) -> None:
     if server.signalled_at is not None:
         if now - server.signalled_at < 1.0:
             return
-        if server.ended is not None:  # the run is over and saved: nothing is left to lose
-            os._exit(server.ended)
+        if server.closing:  # the final checkpoint is written: nothing is left to lose
+            os._exit(server.status if server.ended is None else server.ended)
         print("\nstopped again: exiting now, without a final checkpoint", file=sys.stderr,
               flush=True)
         os._exit(130)

@@ -7558,6 +7558,195 @@ def test_main_in_a_plain_script_returns_the_status_twice_and_gives_the_signals_b
     assert all(plugrl_min.checkpoint_paths(tmp_path / run) for run in "ab")
 
 
+CALLERS_STATE = """
+import numpy as np, torch
+torch.set_num_threads(3); torch.manual_seed(123); np.random.seed(456)  # the notebook's own
+"""
+CALLERS_STATE_AFTER = """
+drawn = (torch.rand(3), np.random.rand(3))
+torch.manual_seed(123); np.random.seed(456)
+print('threads', torch.get_num_threads(), 'draws as seeded before',
+      torch.equal(drawn[0], torch.rand(3)), bool((drawn[1] == np.random.rand(3)).all()))
+"""
+
+
+def test_main_in_a_notebook_leaves_the_callers_torch_threads_and_random_states_as_they_were(kernel, tmp_path):
+    kernel.run(CALLERS_STATE)
+    said = kernel.run(f"print('status', plugrl_min.main({notebook_words(tmp_path / 'run', 4096) + ['--seed', '7']!r}))")
+    assert "status 0" in said, said[-3000:]
+    assert kernel.run(CALLERS_STATE_AFTER).strip() == "threads 3 draws as seeded before True True"
+
+
+def test_start_and_stop_in_a_notebook_leave_the_callers_torch_threads_and_random_states_as_they_were(kernel, tmp_path):
+    run = tmp_path / "background"
+    kernel.run(CALLERS_STATE)
+    said = kernel.run(f"training = plugrl_min.start({notebook_words(run, 10**9) + ['--seed', '7']!r})\n"
+                      "print('threads on return', torch.get_num_threads())")
+    assert "threads on return 3" in said, said[-3000:]
+    deadline = time.monotonic() + 60
+    while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text()):  # it draws meanwhile
+        assert time.monotonic() < deadline, "no metrics line in 60 s"
+        time.sleep(0.2)
+    assert "status 0" in kernel.run("print('status', training.stop())")
+    assert kernel.run(CALLERS_STATE_AFTER).strip() == "threads 3 draws as seeded before True True"
+
+
+def test_start_on_a_taken_port_in_a_notebook_raises_after_the_line_that_names_the_port(kernel, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        said = kernel.run(f"training = plugrl_min.start({notebook_words(tmp_path / 'run', 4096)[:4] + ['--port', str(port)]!r})")
+    assert f"error: cannot listen on 127.0.0.1:{port}" in said, said[-3000:]
+    assert "ERROR RuntimeError: the run did not start (exit status 1;" in said, said[-3000:]
+
+
+RACER = """
+import os
+from plugrl_min import DummyAlgoConfig, DummyAlgorithm, register_algo, register_algo_config
+register_algo_config("racer")(DummyAlgoConfig)
+
+@register_algo("racer")
+class Racer(DummyAlgorithm):
+    def __init__(self, config, policy):  # another run claims the run directory in the meantime
+        super().__init__(config, policy)
+        os.makedirs(RUN, exist_ok=True)
+        open(os.path.join(RUN, "config.json"), "w").close()
+"""
+
+
+def test_a_run_directory_claimed_meanwhile_in_a_notebook_gives_status_2_and_one_line(kernel, tmp_path):
+    run = tmp_path / "run"
+    kernel.run(RACER.replace("RUN", repr(str(run))))
+    said = kernel.run(f"print('status', plugrl_min.main({notebook_words(run, 4096, 'racer')[:4] + ['--run-dir', str(run), '--port', '0']!r}))")
+    assert f"error: {run} holds a run already: name another --run-dir" in said and "status 2" in said, said[-3000:]
+
+
+SLOW_END = """
+import dataclasses, time
+from plugrl_min import DummyAlgoConfig, DummyAlgorithm, register_algo, register_algo_config
+
+@register_algo_config("slow-end")
+@dataclasses.dataclass
+class SlowEndConfig(DummyAlgoConfig):
+    learn_every: int = 160
+    save_every: int = 10**9
+
+@register_algo("slow-end")
+class SlowEnd(DummyAlgorithm):
+    final = False
+
+    def create_checkpoint(self):  # save_every 10**9: the final checkpoint
+        self.final = True
+        return super().create_checkpoint()
+
+    def build_train_info(self, global_step, log_dict):  # after the final save: the end line takes 4 s
+        if self.final:
+            open(ENDING, "w").close()
+            time.sleep(4)
+        return super().build_train_info(global_step, log_dict)
+"""
+
+
+def interrupt_twice(kernel, run_dir, second):
+    """when(): the kernel's Interrupt once the run has written a metrics line, and again once second(text) is
+    true and 1.5 s have passed (a copy within a second would be the same Interrupt)."""
+    first = []
+
+    def when(text):
+        if not first:
+            if (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text():
+                kernel.manager.interrupt_kernel()
+                first.append(time.monotonic())
+            return False
+        if second(text) and time.monotonic() - first[0] > 1.5:
+            kernel.manager.interrupt_kernel()
+            return True
+        return False
+    return when
+
+
+def test_a_second_interrupt_in_a_notebook_after_the_final_checkpoint_lets_the_run_end_with_status_0(kernel, tmp_path):
+    run = tmp_path / "run"
+    kernel.run(SLOW_END.replace("ENDING", repr(str(run / "ending"))))
+    said = kernel.run(f"print('status', plugrl_min.main({notebook_words(run, 10**9, 'slow-end')!r}))",
+                      when=interrupt_twice(kernel, run, lambda text: (run / "ending").exists()))
+    assert "stopped again: the run is ending already, after its final save" in said, said[-3000:]
+    assert "status 0" in said and "without a final checkpoint" not in said, said[-3000:]
+    assert plugrl_min.checkpoint_paths(run) and read_metrics(run, event=None)[-1]["event"] == "end"
+
+
+SLOW_EXIT = """
+import atexit, sys, time
+if "env-client" in sys.argv:  # the local client: it ends 6 s after the run, while the server waits for it
+    atexit.register(time.sleep, 6)
+"""
+
+
+def test_an_interrupt_in_a_notebook_while_the_local_clients_end_says_the_run_has_ended_and_keeps_status_0(kernel,
+                                                                                                          tmp_path):
+    run = tmp_path / "run"
+    write_plugin(tmp_path, "plugrl_test_slow_exit", SLOW_EXIT)  # the kernel's folder: the client's too
+    said = kernel.run(f"print('status', plugrl_min.main({notebook_words(run, 10**9) + ['--plugin', 'plugrl_test_slow_exit']!r}))",
+                      when=interrupt_twice(kernel, run, lambda text: "run finished: global step" in text))
+    assert "the run has ended already: its local env clients get up to 10 s to end" in said, said[-3000:]
+    assert "status 0" in said and "without a final checkpoint" not in said, said[-3000:]
+
+
+def test_env_client_in_a_notebook_cell_stops_on_interrupt_with_130_and_no_traceback(kernel, tmp_path):
+    run = tmp_path / "run"
+    with Background(tmp_path, "server", ["plugrl_min.py", "dummy-policy", "default", "dummy", "default", "--port", "0",
+                                         "--algo.global-steps", str(10**9), "--algo.learn-every", "100",
+                                         "--log-every", "1", "--run-dir", str(run)]) as server:
+        words = ["env-client", "dummy-v1", "--server-port", str(server.port()), "--num-episodes", "0"]
+
+        def when(text):  # the kernel's Interrupt once the server has learned from this client
+            if (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text():
+                kernel.manager.interrupt_kernel()
+                return True
+            return False
+        said = kernel.run(f"print('status', plugrl_min.main({words!r}))", when=when)
+    assert "status 130" in said and "Traceback" not in said and "ERROR" not in said, said[-3000:]
+    assert threads_and_children(kernel) == "[] []"  # no client thread left
+
+
+CELL_ENV = """
+from plugrl_min import ENVIRONMENTS, register_env
+
+@register_env("cell-v1")
+class CellEnv(ENVIRONMENTS["dummy-v1"]):
+    pass
+"""
+
+
+def test_a_local_env_defined_in_a_notebook_cell_is_refused_at_the_start_in_one_line(kernel, tmp_path):
+    run = tmp_path / "run"
+    kernel.run(CELL_ENV)
+    said = kernel.run(f"print('status', plugrl_min.main({notebook_words(run, 4096) + ['--local-env', 'cell-v1']!r}))")
+    assert ("error: environment 'cell-v1' is defined in __main__, which the --local-env-clients processes cannot "
+            "import: define it in a module and add --plugin MODULE") in said, said[-3000:]
+    assert "status 2" in said and not run.exists(), said[-3000:]
+
+
+NOTEBOOK_PLUGIN = """
+from plugrl_min import DummyAlgoConfig, DummyAlgorithm, register_algo, register_algo_config
+register_algo_config("nb-algo")(DummyAlgoConfig)
+register_algo("nb-algo")(type("NbAlgo", (DummyAlgorithm,), {}))
+"""
+
+
+def test_the_readme_says_to_use_main_not_percent_run_whose_copy_a_plugin_does_not_reach(kernel, tmp_path):
+    section = readme()[readme().index("## In a notebook"):readme().index("## Your own environment")]
+    assert re.search(r"Not `%run plugrl_min\.py \.\.\.`: it\s+runs a second copy of the file, which a plug-in's\s+"
+                     r"registrations do not reach; use `main\(\[\.\.\.\]\)`", section), section
+    write_plugin(tmp_path, "plugrl_test_nb_algo", NOTEBOOK_PLUGIN)
+    words = [*notebook_words(tmp_path / "run", 2048, "nb-algo"), "--plugin", "plugrl_test_nb_algo"]
+    said = kernel.run(f"import plugrl_test_nb_algo\nprint('status', plugrl_min.main({words!r}))")
+    assert "status 0" in said, said[-3000:]
+    said = kernel.run(f"%run {SOURCE} {' '.join(words[:-4])} --run-dir {tmp_path / 'other'} --plugin plugrl_test_nb_algo")
+    assert "error: unknown algorithm 'nb-algo'" in said, said[-3000:]
+
+
 # =============================================================================================
 # The README's exercises, solved: each check run over seeds 1 to 3 with a reference solution
 # =============================================================================================
@@ -8021,7 +8210,7 @@ def test_exercise_9s_command_as_written_parses_with_its_seed(tmp_path, plugins_i
     assert "gamma 0.99" in exercise_text(9) and 'policy.logits(obs["state"])' in exercise_text(9)
 
 
-NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
+FIGURE = r"-?\d[\d,]*(?:\.\d+)?"  # a figure of an exercise, 1,024 included
 
 
 def test_every_exercise_range_parses_as_the_bench_reads_it_and_reaches_past_the_seeds_figures_it_quotes():
@@ -8030,14 +8219,14 @@ def test_every_exercise_range_parses_as_the_bench_reads_it_and_reaches_past_the_
     for number in range(1, 10):
         check = exercise_text(number).split("*Check:*", 1)[1]
         floor = re.search(r"at least (\d+)x", check)  # exercise 4's range has no top
-        spans = re.split(rf"({NUMBER}) to ({NUMBER})", check)  # text, low, high, text, low, high, ...
+        spans = re.split(rf"({FIGURE}) to ({FIGURE})", check)  # text, low, high, text, low, high, ...
         ranges = [(float(floor.group(1)), math.inf, check[floor.end():])] if floor else []
         ranges += [(*sorted(float(n.replace(",", "")) for n in spans[i:i + 2]), spans[i + 2])
                    for i in range(1, len(spans), 3)
                    if not spans[i - 1].endswith("`pg`: ")]  # exercise 8 quotes exercise 7's pg range
         for low, high, after in ranges:  # after: the text up to the next range, where its figures are
-            quoted = re.findall(rf"{NUMBER}(?: / {NUMBER})+|between {NUMBER} and {NUMBER}", after)
-            figures = [float(n.replace(",", "")) for group in quoted for n in re.findall(NUMBER, group)]
+            quoted = re.findall(rf"{FIGURE}(?: / {FIGURE})+|between {FIGURE} and {FIGURE}", after)
+            figures = [float(n.replace(",", "")) for group in quoted for n in re.findall(FIGURE, group)]
             assert figures, f"exercise {number}: {low:g} to {high:g} quotes no seed's figure"
             assert low < min(figures) and (max(figures) < high or high == 500), (number, low, high, figures)
 
@@ -8046,3 +8235,42 @@ def test_start_with_a_usage_error_raises_and_names_the_status_after_the_one_line
     with pytest.raises(RuntimeError, match=r"exit status 2"):
         plugrl_min.start(["dummy-policy", "default", "no-such-algo", "default"])
     assert "error: unknown algorithm 'no-such-algo'" in capsys.readouterr().err
+
+
+BROKEN_ALGO = """
+from plugrl_min import DummyAlgoConfig, DummyAlgorithm, register_algo, register_algo_config
+register_algo_config("broken")(DummyAlgoConfig)
+
+@register_algo("broken")
+class Broken(DummyAlgorithm):
+    def __init__(self, config, policy):
+        raise ValueError("no weights for you")
+"""
+TWICE_REGISTERED = """
+from plugrl_min import PGConfig, register_algo_config
+register_algo_config("pg")(type("TwiceConfig", (PGConfig,), {}))
+"""
+
+
+@pytest.mark.parametrize("failure, words, line, status", [
+    ("building", ["broken", "default", "--plugin", "plugrl_test_broken"],
+     "error: building algorithm 'broken' from its config failed (the traceback above says why)", 1),
+    ("resume", ["dummy", "default", "--resume", "--run-dir", "EMPTY"], "error: nothing to resume in ", 1),
+    ("missing plug-in", ["dummy", "default", "--plugin", "plugrl_test_not_there"],
+     "error: cannot import plug-in 'plugrl_test_not_there'", 1),
+    ("registered twice", ["dummy", "default", "--plugin", "plugrl_test_twice"],
+     "error: algorithm config pg/default is registered twice, by plugrl_min and by plugrl_test_twice", 2)])
+def test_start_fails_before_serving_as_main_does_then_raises_naming_the_status(failure, words, line, status, tmp_path,
+                                                                              plugins_in_process, capsys):
+    write_plugin(tmp_path, "plugrl_test_broken", BROKEN_ALGO)
+    write_plugin(tmp_path, "plugrl_test_twice", TWICE_REGISTERED)
+    (tmp_path / "EMPTY").mkdir()
+    words = ["dummy-policy", "default", *[str(tmp_path / word) if word == "EMPTY" else word for word in words],
+             "--port", "0"]
+    assert plugrl_min.main(words) == status
+    by_main = capsys.readouterr().err
+    assert line in by_main.splitlines()[-1], by_main
+    with pytest.raises(RuntimeError, match=rf"^the run did not start \(exit status {status};"):
+        plugrl_min.start(words)
+    by_start = capsys.readouterr().err
+    assert by_start.splitlines()[-1] == by_main.splitlines()[-1], by_start
