@@ -60,6 +60,7 @@ if int(websockets.__version__.split(".")[0]) < 15:  # older ones lack the API be
              f"{websockets.__version__}: pip install -r requirements.txt")
 from torch import nn
 from websockets.asyncio.server import serve as websockets_serve
+from websockets.exceptions import ConnectionClosed  # websockets.ConnectionClosed: a lookup per use
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 16 * 2**20  # a larger frame closes its connection (--max-message-bytes)
@@ -109,7 +110,7 @@ SERVER_FAILED = "server failed"  # the close reason's prefix: a hook raised, or 
 NO_NODE = (-1, "")  # prev_node when there is no stored frame of this environment to link to
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)  # slots: lighter and quicker, one per frame
 class InferBatch:
     """One infer() call, kept until every environment in it has sent its feedback."""
 
@@ -120,7 +121,7 @@ class InferBatch:
     train_state: list  # [n] each environment's row of derive_train_state(runtime_state)
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)  # slots: lighter and quicker, one per frame
 class StepState:
     """An environment's step state: the infer batch and row of the action it executes."""
 
@@ -128,7 +129,7 @@ class StepState:
     row: int
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)  # slots: lighter and quicker, one per frame
 class EnvSlot:
     """What the server keeps for one environment of one connection."""
 
@@ -139,7 +140,7 @@ class EnvSlot:
     prev_node: tuple = NO_NODE  # what feedback returned for its previous stored frame
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)  # slots: lighter and quicker, one per frame
 class Connection:
     """One env client: its WebSocket and its environments, by the client's own env_indices."""
 
@@ -149,7 +150,7 @@ class Connection:
     heard_at: float = 0.0  # [timeout] its last feedback, or the last action sent to it
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)  # slots: lighter and quicker, one per frame
 class InferRequest:
     """A checked infer message, queued until the control loop answers it."""
 
@@ -158,7 +159,7 @@ class InferRequest:
     obs: dict  # {key: [n, ...]}
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)  # slots: lighter and quicker, one per frame
 class Frame:
     """One environment's frame: its step state (what it was given) and what its feedback says."""
 
@@ -172,7 +173,7 @@ class Frame:
     info: dict  # e.g. {"episode": {...}} (every frame of the message has it if one finished)
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)  # slots: lighter and quicker, one per frame
 class FeedbackMessage:
     """A checked feedback message: its frames, one per environment, in the message's order."""
 
@@ -191,7 +192,7 @@ class Server:
                  token: str | None = None,  # [token]
                  learn_threads: int | None = None,  # [learn-threads]
                  trace: int = 0,  # [trace]
-                 ranks: Ranks | None = None,  # [ranks]
+                 ranks=None,  # [ranks] a Ranks: the other ranks of a torch.distributed launch
                  global_step: int = 0, policy_version: int = 0, log_every: int = 1000):
         self.algo, self.run_dir = algo, run_dir
         self.max_message_bytes = max_message_bytes
@@ -203,11 +204,10 @@ class Server:
         self.ranks = ranks  # [ranks] the other ranks of a torch.distributed launch
         self.global_step = global_step
         self.version = policy_version  # learns so far (a resumed run continues the count)
-        policy = algo.policy
-        self.obs_spec = obs_spec_of(policy.obs_spec)
-        self.action_shape = (policy.action_horizon, policy.action_dim)
-        self.action_dtype = np.float32 if policy.num_actions is None else np.int64
-        self.metadata = metadata_of(policy, names)  # the first message of every connection
+        self.obs_spec = obs_spec_of(algo.policy.obs_spec)
+        self.action_shape = (algo.policy.action_horizon, algo.policy.action_dim)
+        self.action_dtype = np.float32 if algo.policy.num_actions is None else np.int64
+        self.metadata = metadata_of(algo.policy, names)  # the first message of every connection
         self.connections = set()  # the open ones; a closed or rejected one leaves at once
         self.connection_numbers = itertools.count(1)  # Connection.number: in the order they came
         self.inbox, self.waiting = [], []  # checked messages, in arrival order; waiting infers
@@ -267,7 +267,7 @@ class Server:
                     await reject(self, conn, error)
                     return
                 self.wake.set()
-        except websockets.ConnectionClosed:
+        except ConnectionClosed:
             pass
         finally:
             # Its queued infers are skipped; its feedback already queued was whole, and counts.
@@ -345,10 +345,7 @@ class Server:
             raise RuntimeError(f"infer returned actions {list(action.shape)}, expected "
                                f"{[n, *self.action_shape]}")
         train_state = self.algo.derive_train_state(runtime_state)
-        # Each environment's rows, cut once for the whole batch (views, not copies; a 1-d
-        # field's row is a Python number).
-        batch = InferBatch(self.version, action, split_rows(obs, n), split_rows(runtime_state, n),
-                           split_rows(train_state, n))
+        batch = InferBatch(self.version, action, [], [], [])  # its rows: cut once it is sent
         self.record.count_batch(n)  # for server/mean_batch_size
         now = serving_clock(self)  # [timeout]
         row = 0
@@ -362,8 +359,13 @@ class Server:
             request.conn.heard_at = now  # [timeout]
             reply = {"message_type": "action", "env_indices": request.env_indices,
                      "action": action[first:row]}
-            with contextlib.suppress(websockets.ConnectionClosed):
+            with contextlib.suppress(ConnectionClosed):
                 await request.conn.ws.send(pack_message(reply))
+        # Each environment's rows, cut once for the whole batch (views, not copies; a 1-d field's
+        # row is a Python number) while the clients step: only this task reads them, to route.
+        batch.obs = split_rows(obs, n)
+        batch.runtime_state = split_rows(runtime_state, n)
+        batch.train_state = split_rows(train_state, n)
 
     def route_feedback(self, message: FeedbackMessage) -> None:
         """The routing rule: feedback() for frames the algorithm stores, discard_feedback() else."""
@@ -402,8 +404,7 @@ class Server:
         """pre_learn, learn() in the learn thread, post_learn; messages queue, none is answered."""
         started = time.monotonic()
         learn = self.algo.learn
-        if self.ranks is not None:  # [ranks] every rank learns rank 0's data, in step
-            learn = self.ranks.in_step(learn, self.algo.get_server_data())  # [ranks]
+        learn = in_step(self.ranks, self.algo, learn)  # [ranks] every rank learns rank 0's data
         learn = self.threads.timed(learn, self.frames)  # [learn-threads] 1 torch thread or all
         self.algo.pre_learn()
         self.global_step, log = await self.loop.run_in_executor(self.learn_executor, learn)
@@ -474,11 +475,10 @@ def serve(server: Server, host: str, port: int, on_listening, command_line: bool
 
 
 def run_status(server: Server, run) -> int:
-    """asyncio.run(run), the server's run, in this thread: the exit status. A failure around
-    the run is one line and a status: a file or the port (CommandError names it) or a traceback,
-    1; a usage error, its status. The local clients then get 10 s in all to end."""
+    """asyncio.run(run), the server's run, in this thread: its exit status, or for a failure
+    around it one line and 1 (a file or the port, named; else a traceback) or a usage error's 2."""
     status = 1
-    try:
+    try:  # the local clients then get 10 s in all to end (none after a stop at once)
         status = asyncio.run(run)
     except SystemExit as stop:  # another run claimed the run directory meanwhile: 2
         status = exit_status(stop)
@@ -1316,7 +1316,9 @@ class DummyPolicy(BaseTorchPolicy):
     @torch.inference_mode()
     def get_action_and_runtime_state(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
         """Sample a batch of actions; the runtime state keeps the action, u and u's log-prob."""
-        u, log_prob = self.gaussian_sample(torch.from_numpy(obs["state"]).to(self.device))
+        # The plain form, .to(self.device), walks every module at each call.
+        state = torch.from_numpy(obs["state"]).to(self.head.weight.device)
+        u, log_prob = self.gaussian_sample(state)
         action = torch.tanh(u).cpu().numpy().reshape(-1, self.action_horizon, self.action_dim)
         return action, {"action": action, "sample": u.cpu().numpy(),
                         "log_prob": log_prob.cpu().numpy()}
@@ -1359,7 +1361,8 @@ class CategoricalPolicy(BaseTorchPolicy):
     @torch.inference_mode()
     def get_action_and_runtime_state(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
         """Sample a batch of choices; the runtime state keeps each choice and its log-prob."""
-        categorical = self({"state": torch.from_numpy(obs["state"]).to(self.device)})
+        state = torch.from_numpy(obs["state"]).to(self.logits[0].weight.device)  # self.device
+        categorical = self({"state": state})
         choice = categorical.sample()  # [n] int64
         action = choice.cpu().numpy().reshape(-1, 1, 1)  # [n, action_horizon = 1, 1]
         return action, {"action": action, "sample": choice.cpu().numpy(),
@@ -1393,6 +1396,7 @@ class RunRecord:
         self.metrics_file = None  # open while the server runs
         self.tensorboard = None  # [tensorboard]
         self.started = self.shown_at = time.perf_counter()
+        self.tty = sys.stdout.isatty()  # asked once: a system call, and show_progress is per pass
 
     def open(self, run_dir: str) -> None:
         """metrics.jsonl, appended to a line at a time (a resumed run continues it). Unbuffered:
@@ -1463,7 +1467,7 @@ class RunRecord:
 
     def show_progress(self, server) -> None:
         """A progress line: in place every second on a terminal, every 10 s otherwise."""
-        now, tty = time.perf_counter(), sys.stdout.isatty()
+        now, tty = time.perf_counter(), self.tty
         if now - self.shown_at < (1.0 if tty else 10.0):
             return
         self.shown_at = now
@@ -1735,16 +1739,21 @@ class Ranks:
         dist.broadcast(data, 0, group=self.orders)
         return unpack_message(data.numpy().tobytes())
 
-    def in_step(self, learn, server_data: tuple[int, dict, dict]):
-        """Rank 0's learn, which first sends get_server_data()'s result to every other rank:
-        they learn from the same frames, on the same torch thread count, at the same time."""
-        global_step, meta_info, data = server_data
 
-        def learn_in_step():  # in the learn thread, on the thread count chosen for this learn
-            self.broadcast({"order": "learn", "threads": torch.get_num_threads(),
-                            "global_step": global_step, "meta_info": meta_info, "data": data})
-            return learn()
-        return learn_in_step
+
+def in_step(ranks: Ranks | None, algo: DDPAlgorithm, learn):
+    """Rank 0's learn, which first sends get_server_data() (called now, in the control task) to
+    every other rank: they learn from the same frames, on the same torch thread count, at the
+    same time. In one process (ranks None), learn as it is."""
+    if ranks is None:
+        return learn
+    global_step, meta_info, data = algo.get_server_data()
+
+    def learn_in_step():  # in the learn thread, on the thread count chosen for this learn
+        ranks.broadcast({"order": "learn", "threads": torch.get_num_threads(),
+                         "global_step": global_step, "meta_info": meta_info, "data": data})
+        return learn()
+    return learn_in_step
 
 
 def join_ranks(algo: BaseAlgorithm, uid: str, device: torch.device, resume: str | None):
@@ -2317,7 +2326,7 @@ async def reject(server: Server, conn: Connection, error: Exception) -> None:
         error = ProtocolError(f"malformed message ({type(error).__name__}: {error})")
     server.connections.discard(conn)
     reply = {"message_type": "error", "message": str(error), "hint": error.hint}
-    with contextlib.suppress(websockets.ConnectionClosed):
+    with contextlib.suppress(ConnectionClosed):
         await conn.ws.send(pack_message(reply))
         await conn.ws.close(1008, str(error).encode()[:120].decode(errors="ignore"))
 
@@ -2633,7 +2642,7 @@ async def run_env_client(args) -> int:
             async with ws:
                 await run_episodes(ws, executor, args.num_episodes, tally)
             ending = "done"
-        except websockets.ConnectionClosed as closed:
+        except ConnectionClosed as closed:
             reason = closed.rcvd.reason if closed.rcvd else ""
             if reason.startswith(SERVER_FAILED):
                 raise SystemExit(f"the server failed ({reason}); see its log") from None

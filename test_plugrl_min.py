@@ -5971,9 +5971,7 @@ if rank == 0:  # the server stores 64 frames of 4 environments, chained by prev_
             train_state={"sample": rng.standard_normal(1, np.float32)}, terminated=False, truncated=False,
             next_obs={"state": rng.standard_normal(3, np.float32)}, reward=float(rng.standard_normal()), info={},
             next_terminated=i % 13 == 12, next_truncated=False, prev_node=nodes.get(i % 4, (-1, "")))
-    learn = algo.learn
-    if ranks is not None:  # as Server.learn_once does
-        learn = ranks.in_step(learn, algo.get_server_data())
+    learn = plugrl_min.in_step(ranks, algo, algo.learn)  # as Server.learn_once does
     algo.pre_learn()
     learn()
     algo.post_learn()
