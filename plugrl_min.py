@@ -1721,10 +1721,6 @@ class Ranks:
         self.orders = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=3650))
         self.launcher = os.getppid()  # torch.distributed.run, the parent of every rank
 
-    def launcher_gone(self) -> bool:
-        """True once the launcher died (kill -9, an out-of-memory killer): this rank is adopted."""
-        return os.getppid() != self.launcher
-
     def broadcast(self, order: dict | None = None) -> dict:
         """Rank 0's order to every rank (the others pass none): its length, then its frame."""
         frame = b"" if order is None else pack_message(order)
@@ -1745,6 +1741,20 @@ class Ranks:
                             "global_step": global_step, "meta_info": meta_info, "data": data})
             return learn()
         return learn_in_step
+
+    def watch_launcher(self) -> None:
+        """A thread: once the launcher is gone (kill -9, the OOM killer), rank 0 stops as on
+        SIGTERM (a final checkpoint); another rank gives rank 0's stop order 30 s, then exits."""
+        while os.getppid() == self.launcher:  # once it dies, this rank is adopted
+            time.sleep(0.5)
+        if self.rank == 0:
+            print("\nthe launcher is gone: stopping as on SIGTERM", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        time.sleep(30)
+        print(f"rank {self.rank}: the launcher is gone, and rank 0 silent: exiting",
+              file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 def join_ranks(algo: BaseAlgorithm, uid: str, device: torch.device, resume: str | None):
@@ -1767,7 +1777,7 @@ def join_ranks(algo: BaseAlgorithm, uid: str, device: torch.device, resume: str 
     # weights agree whether or not the run resumes.
     device_ids = [device.index] if device.type == "cuda" else None
     algo.activate_ddp(DistributedDataParallel(algo.policy, device_ids=device_ids))
-    watch_launcher(ranks)
+    threading.Thread(target=ranks.watch_launcher, daemon=True, name="plugrl-launcher-watch").start()
     if ranks.rank == 0:
         return ranks
     if resume is not None:  # the other ranks only learn: weights, optimizers and counters
@@ -1796,24 +1806,6 @@ def serve_as_learner(algo: DDPAlgorithm, ranks: Ranks) -> int:
         algo.pre_learn()
         algo.learn()
         algo.post_learn()
-
-
-def watch_launcher(ranks: Ranks) -> None:
-    """A thread: once the launcher is gone (kill -9, the OOM killer), rank 0 stops as on SIGTERM,
-    with a final checkpoint; another rank gives rank 0's stop order 30 s, then exits."""
-    def watch():
-        while not ranks.launcher_gone():
-            time.sleep(0.5)
-        if ranks.rank == 0:
-            print("\nthe launcher is gone: stopping as on SIGTERM", file=sys.stderr, flush=True)
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        time.sleep(30)
-        print(f"rank {ranks.rank}: the launcher is gone, and rank 0 silent: exiting",
-              file=sys.stderr, flush=True)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="plugrl-launcher-watch").start()
 
 
 def stop_ranks(ranks: Ranks | None, status: int) -> int:
