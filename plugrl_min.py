@@ -1734,11 +1734,9 @@ class Ranks:
     def in_step(self, learn, server_data: tuple[int, dict, dict]):
         """Rank 0's learn, which first sends get_server_data()'s result to every other rank:
         they learn from the same frames, on the same torch thread count, at the same time."""
-        global_step, meta_info, data = server_data
-
         def learn_in_step():  # in the learn thread, on the thread count chosen for this learn
             self.broadcast({"order": "learn", "threads": torch.get_num_threads(),
-                            "global_step": global_step, "meta_info": meta_info, "data": data})
+                            "server_data": server_data})  # (global_step, meta_info, data)
             return learn()
         return learn_in_step
 
@@ -1802,7 +1800,7 @@ def serve_as_learner(algo: DDPAlgorithm, ranks: Ranks) -> int:
             print(f"rank {ranks.rank}: rank 0 ended the run", flush=True)
             return 0
         torch.set_num_threads(order["threads"])
-        algo.load_server_data(order["global_step"], order["meta_info"], order["data"])
+        algo.load_server_data(*order["server_data"])
         algo.pre_learn()
         algo.learn()
         algo.post_learn()
