@@ -1496,7 +1496,8 @@ def finish_run(server, code: int, reason: str, status: int) -> int:
         record.add(server.algo.build_train_info(server.global_step, {})[1])
         record.write(server, "end")
     record.close()
-    status = stop_ranks(server.ranks, status)  # [ranks] told last: no dead rank holds a client
+    if server.ranks is not None:  # [ranks] told last: no dead rank holds a client
+        status = server.ranks.stop(status)  # [ranks]
     print(f"\n{reason}: global step {server.global_step}, {record.learns(server)} learns",
           flush=True)
     if code == 1000 and not server.frames:
@@ -1740,6 +1741,15 @@ class Ranks:
             return learn()
         return learn_in_step
 
+    def stop(self, status: int) -> int:
+        """Rank 0, once its clients were told: the stop order. A rank gone already makes it 1."""
+        try:
+            self.broadcast({"order": "stop"})
+        except RuntimeError as error:
+            print(f"error: a learner rank is gone ({str(error).splitlines()[0]})", file=sys.stderr)
+            return 1
+        return status
+
     def watch_launcher(self) -> None:
         """A thread: once the launcher is gone (kill -9, the OOM killer), rank 0 stops as on
         SIGTERM (a final checkpoint); another rank gives rank 0's stop order 30 s, then exits."""
@@ -1804,18 +1814,6 @@ def serve_as_learner(algo: DDPAlgorithm, ranks: Ranks) -> int:
         algo.pre_learn()
         algo.learn()
         algo.post_learn()
-
-
-def stop_ranks(ranks: Ranks | None, status: int) -> int:
-    """Rank 0, once its clients were told: the stop order. A rank gone already makes it 1."""
-    if ranks is None:
-        return status
-    try:
-        ranks.broadcast({"order": "stop"})
-    except RuntimeError as error:
-        print(f"error: a learner rank is gone ({str(error).splitlines()[0]})", file=sys.stderr)
-        return 1
-    return status
 
 
 # ===== [trace] --trace N: the contract, watched as it runs =====
