@@ -2879,7 +2879,10 @@ def server_main(argv: list[str], plugins: list[str] = (), background: bool = Fal
     ranks = join_ranks(algo, words[2], algo.policy.device, resume)  # [ranks]
     counters = {}
     if resume is not None:
-        checkpoint, counters = resume_from(resume)
+        try:
+            checkpoint, counters = load_newest_checkpoint(resume)
+        except FileNotFoundError as error:  # nothing to resume: one line, not a traceback
+            raise SystemExit(f"error: {error}") from None
         algo.load_checkpoint(checkpoint)
         print(f"resumed from step {checkpoint.step} in {resume}", flush=True)
     warn_without_token(args.host, args.token)  # [token]
@@ -3017,14 +3020,6 @@ def build_algorithm(words: list[str], configs: dict, args: argparse.Namespace,
                      configs["algo"])
     _building(f"the optimizers of algorithm {words[2]!r}", algo.init_optimizers)
     return algo
-
-
-def resume_from(run_dir: str) -> tuple[Checkpoint, dict]:
-    """--resume: the newest checkpoint that loads, and the server's counters; or one line."""
-    try:
-        return load_newest_checkpoint(run_dir)
-    except FileNotFoundError as error:
-        raise SystemExit(f"error: {error}") from None
 
 
 def choose_local_env(args: argparse.Namespace, metadata: dict, example_env: str | None):
