@@ -2897,7 +2897,7 @@ def server_main(argv: list[str], plugins: list[str] = (), background: bool = Fal
                     log_every=args.log_every, **counters)
     if resume is not None:  # the run's own checkpoints: pruning may delete its older ones
         server.saved = checkpoint_paths(resume)
-    local_env = choose_local_env(args, server.metadata, algo.example_env)
+    local_env = choose_local_env(args, server)
 
     def on_listening(port: int) -> None:  # the port is taken: now the run writes its files
         server.run_dir = claim_run_dir(args, words, local_env, resolved)
@@ -3022,16 +3022,14 @@ def build_algorithm(words: list[str], configs: dict, args: argparse.Namespace,
     return algo
 
 
-def choose_local_env(args: argparse.Namespace, metadata: dict, example_env: str | None):
+def choose_local_env(args: argparse.Namespace, server: Server) -> str | None:
     """--local-env, else the algorithm's example_env if it fits the policy, else the first
     registered environment that fits (None if none does). With local clients it must fit."""
-    reads = obs_spec_of({key: (spec["shape"], spec["dtype"])
-                         for key, spec in metadata["obs_spec"].items()})
-    acts = action_space(metadata["action_dim"], metadata["num_actions"])
+    acts = action_space(server.algo.policy.action_dim, server.algo.policy.num_actions)
     fits = [env_id for env_id, env in ENVIRONMENTS.items()  # in registration order
-            if obs_spec_of(env.obs_spec) == reads
+            if obs_spec_of(env.obs_spec) == server.obs_spec
             and action_space(env.action_dim, env.num_actions) == acts]
-    local_env = args.local_env or min(fits, key=lambda env_id: env_id != example_env,
+    local_env = args.local_env or min(fits, key=lambda env_id: env_id != server.algo.example_env,
                                       default=None)  # the algorithm's own example first
     if args.local_env_clients:  # checked now: a start that fails leaves no trace on disk
         try:
@@ -3043,7 +3041,7 @@ def choose_local_env(args: argparse.Namespace, metadata: dict, example_env: str 
                 raise ValueError(f"environment {local_env!r} is defined in __main__, which the "
                                  "--local-env-clients processes cannot import: define it in a "
                                  "module and add --plugin MODULE")
-            check_metadata(metadata, MultiAction(make_env(local_env)), False)
+            check_metadata(server.metadata, MultiAction(make_env(local_env)), False)
         except (ValueError, SystemExit) as error:
             raise SystemExit(_usage_error(error)) from None
     return local_env
