@@ -3059,11 +3059,9 @@ def claim_run_dir(args: argparse.Namespace, words: list[str], local_env: str | N
         with naming(f"cannot make a run directory in {os.path.abspath('runs')}"):
             for suffix in itertools.count(1):
                 run_dir = base if suffix == 1 else f"{base}-{suffix}"
-                try:
-                    os.makedirs(run_dir)  # runs/ too; FileExistsError if it is taken
+                with contextlib.suppress(FileExistsError):  # taken: try the next name
+                    os.makedirs(run_dir)  # runs/ too
                     break
-                except FileExistsError:
-                    continue
     with naming(f"cannot make the run directory {run_dir}"):
         os.makedirs(run_dir, exist_ok=True)
     with naming(f"cannot write {os.path.join(run_dir, CONFIG)}"):
