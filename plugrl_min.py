@@ -1668,9 +1668,7 @@ class LearnThreads:
         """Whether the learns since the last try left the cores all threads add mostly idle
         (unknown, off Linux or before 0.2 s of ticks: yes)."""
         idle, every = self.ticks
-        if every < 20:
-            return True
-        return len(self.cores) * idle / every >= 0.75 * (max(self.counts) - 1)
+        return every < 20 or len(self.cores) * idle / every >= 0.75 * (max(self.counts) - 1)
 
     def warning(self, cost: float) -> str | None:
         """Once: learns now much slower than at their fastest."""
