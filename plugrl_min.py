@@ -1500,7 +1500,8 @@ def finish_run(server, code: int, reason: str, status: int) -> int:
         record.add(server.algo.build_train_info(server.global_step, {})[1])
         record.write(server, "end")
     record.close()
-    status = stop_ranks(server.ranks, status)  # [ranks] told last: no dead rank holds a client
+    if server.ranks is not None:  # [ranks] told last: no dead rank holds a client
+        status = server.ranks.stop(status)  # [ranks]
     print(f"\n{reason}: global step {server.global_step}, {record.learns(server)} learns",
           flush=True)
     if code == 1000 and not server.frames:
@@ -1671,9 +1672,7 @@ class LearnThreads:
         """Whether the learns since the last try left the cores all threads add mostly idle
         (unknown, off Linux or before 0.2 s of ticks: yes)."""
         idle, every = self.ticks
-        if every < 20:
-            return True
-        return len(self.cores) * idle / every >= 0.75 * (max(self.counts) - 1)
+        return every < 20 or len(self.cores) * idle / every >= 0.75 * (max(self.counts) - 1)
 
     def warning(self, cost: float) -> str | None:
         """Once: learns now much slower than at their fastest."""
@@ -1725,10 +1724,6 @@ class Ranks:
         self.orders = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=3650))
         self.launcher = os.getppid()  # torch.distributed.run, the parent of every rank
 
-    def launcher_gone(self) -> bool:
-        """True once the launcher died (kill -9, an out-of-memory killer): this rank is adopted."""
-        return os.getppid() != self.launcher
-
     def broadcast(self, order: dict | None = None) -> dict:
         """Rank 0's order to every rank (the others pass none): its length, then its frame."""
         frame = b"" if order is None else pack_message(order)
@@ -1740,6 +1735,30 @@ class Ranks:
         return unpack_message(data.numpy().tobytes())
 
 
+    def stop(self, status: int) -> int:
+        """Rank 0, once its clients were told: the stop order. A rank gone already makes it 1."""
+        try:
+            self.broadcast({"order": "stop"})
+        except RuntimeError as error:
+            print(f"error: a learner rank is gone ({str(error).splitlines()[0]})", file=sys.stderr)
+            return 1
+        return status
+
+    def watch_launcher(self) -> None:
+        """A thread: once the launcher is gone (kill -9, the OOM killer), rank 0 stops as on
+        SIGTERM (a final checkpoint); another rank gives rank 0's stop order 30 s, then exits."""
+        while os.getppid() == self.launcher:  # once it dies, this rank is adopted
+            time.sleep(0.5)
+        if self.rank == 0:
+            print("\nthe launcher is gone: stopping as on SIGTERM", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        time.sleep(30)
+        print(f"rank {self.rank}: the launcher is gone, and rank 0 silent: exiting",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+
 
 def in_step(ranks: Ranks | None, algo: DDPAlgorithm, learn):
     """Rank 0's learn, which first sends get_server_data() (called now, in the control task) to
@@ -1747,11 +1766,11 @@ def in_step(ranks: Ranks | None, algo: DDPAlgorithm, learn):
     same time. In one process (ranks None), learn as it is."""
     if ranks is None:
         return learn
-    global_step, meta_info, data = algo.get_server_data()
+    server_data = algo.get_server_data()  # (global_step, meta_info, data)
 
     def learn_in_step():  # in the learn thread, on the thread count chosen for this learn
         ranks.broadcast({"order": "learn", "threads": torch.get_num_threads(),
-                         "global_step": global_step, "meta_info": meta_info, "data": data})
+                         "server_data": server_data})
         return learn()
     return learn_in_step
 
@@ -1776,7 +1795,7 @@ def join_ranks(algo: BaseAlgorithm, uid: str, device: torch.device, resume: str 
     # weights agree whether or not the run resumes.
     device_ids = [device.index] if device.type == "cuda" else None
     algo.activate_ddp(DistributedDataParallel(algo.policy, device_ids=device_ids))
-    watch_launcher(ranks)
+    threading.Thread(target=ranks.watch_launcher, daemon=True, name="plugrl-launcher-watch").start()
     if ranks.rank == 0:
         return ranks
     if resume is not None:  # the other ranks only learn: weights, optimizers and counters
@@ -1801,40 +1820,10 @@ def serve_as_learner(algo: DDPAlgorithm, ranks: Ranks) -> int:
             print(f"rank {ranks.rank}: rank 0 ended the run", flush=True)
             return 0
         torch.set_num_threads(order["threads"])
-        algo.load_server_data(order["global_step"], order["meta_info"], order["data"])
+        algo.load_server_data(*order["server_data"])
         algo.pre_learn()
         algo.learn()
         algo.post_learn()
-
-
-def watch_launcher(ranks: Ranks) -> None:
-    """A thread: once the launcher is gone (kill -9, the OOM killer), rank 0 stops as on SIGTERM,
-    with a final checkpoint; another rank gives rank 0's stop order 30 s, then exits."""
-    def watch():
-        while not ranks.launcher_gone():
-            time.sleep(0.5)
-        if ranks.rank == 0:
-            print("\nthe launcher is gone: stopping as on SIGTERM", file=sys.stderr, flush=True)
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        time.sleep(30)
-        print(f"rank {ranks.rank}: the launcher is gone, and rank 0 silent: exiting",
-              file=sys.stderr, flush=True)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="plugrl-launcher-watch").start()
-
-
-def stop_ranks(ranks: Ranks | None, status: int) -> int:
-    """Rank 0, once its clients were told: the stop order. A rank gone already makes it 1."""
-    if ranks is None:
-        return status
-    try:
-        ranks.broadcast({"order": "stop"})
-    except RuntimeError as error:
-        print(f"error: a learner rank is gone ({str(error).splitlines()[0]})", file=sys.stderr)
-        return 1
-    return status
 
 
 # ===== [trace] --trace N: the contract, watched as it runs =====
@@ -2900,7 +2889,10 @@ def server_main(argv: list[str], plugins: list[str] = (), background: bool = Fal
     ranks = join_ranks(algo, words[2], algo.policy.device, resume)  # [ranks]
     counters = {}
     if resume is not None:
-        checkpoint, counters = resume_from(resume)
+        try:
+            checkpoint, counters = load_newest_checkpoint(resume)
+        except FileNotFoundError as error:  # nothing to resume: one line, not a traceback
+            raise SystemExit(f"error: {error}") from None
         algo.load_checkpoint(checkpoint)
         print(f"resumed from step {checkpoint.step} in {resume}", flush=True)
     warn_without_token(args.host, args.token)  # [token]
@@ -2915,7 +2907,7 @@ def server_main(argv: list[str], plugins: list[str] = (), background: bool = Fal
                     log_every=args.log_every, **counters)
     if resume is not None:  # the run's own checkpoints: pruning may delete its older ones
         server.saved = checkpoint_paths(resume)
-    local_env = choose_local_env(args, server.metadata, algo.example_env)
+    local_env = choose_local_env(args, server)
 
     def on_listening(port: int) -> None:  # the port is taken: now the run writes its files
         server.run_dir = claim_run_dir(args, words, local_env, resolved)
@@ -3040,24 +3032,14 @@ def build_algorithm(words: list[str], configs: dict, args: argparse.Namespace,
     return algo
 
 
-def resume_from(run_dir: str) -> tuple[Checkpoint, dict]:
-    """--resume: the newest checkpoint that loads, and the server's counters; or one line."""
-    try:
-        return load_newest_checkpoint(run_dir)
-    except FileNotFoundError as error:
-        raise SystemExit(f"error: {error}") from None
-
-
-def choose_local_env(args: argparse.Namespace, metadata: dict, example_env: str | None):
+def choose_local_env(args: argparse.Namespace, server: Server) -> str | None:
     """--local-env, else the algorithm's example_env if it fits the policy, else the first
     registered environment that fits (None if none does). With local clients it must fit."""
-    reads = obs_spec_of({key: (spec["shape"], spec["dtype"])
-                         for key, spec in metadata["obs_spec"].items()})
-    acts = action_space(metadata["action_dim"], metadata["num_actions"])
+    acts = action_space(server.algo.policy.action_dim, server.algo.policy.num_actions)
     fits = [env_id for env_id, env in ENVIRONMENTS.items()  # in registration order
-            if obs_spec_of(env.obs_spec) == reads
+            if obs_spec_of(env.obs_spec) == server.obs_spec
             and action_space(env.action_dim, env.num_actions) == acts]
-    local_env = args.local_env or min(fits, key=lambda env_id: env_id != example_env,
+    local_env = args.local_env or min(fits, key=lambda env_id: env_id != server.algo.example_env,
                                       default=None)  # the algorithm's own example first
     if args.local_env_clients:  # checked now: a start that fails leaves no trace on disk
         try:
@@ -3069,7 +3051,7 @@ def choose_local_env(args: argparse.Namespace, metadata: dict, example_env: str 
                 raise ValueError(f"environment {local_env!r} is defined in __main__, which the "
                                  "--local-env-clients processes cannot import: define it in a "
                                  "module and add --plugin MODULE")
-            check_metadata(metadata, MultiAction(make_env(local_env)), False)
+            check_metadata(server.metadata, MultiAction(make_env(local_env)), False)
         except (ValueError, SystemExit) as error:
             raise SystemExit(_usage_error(error)) from None
     return local_env
@@ -3087,11 +3069,9 @@ def claim_run_dir(args: argparse.Namespace, words: list[str], local_env: str | N
         with naming(f"cannot make a run directory in {os.path.abspath('runs')}"):
             for suffix in itertools.count(1):
                 run_dir = base if suffix == 1 else f"{base}-{suffix}"
-                try:
-                    os.makedirs(run_dir)  # runs/ too; FileExistsError if it is taken
+                with contextlib.suppress(FileExistsError):  # taken: try the next name
+                    os.makedirs(run_dir)  # runs/ too
                     break
-                except FileExistsError:
-                    continue
     with naming(f"cannot make the run directory {run_dir}"):
         os.makedirs(run_dir, exist_ok=True)
     with naming(f"cannot write {os.path.join(run_dir, CONFIG)}"):

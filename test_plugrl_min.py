@@ -6568,8 +6568,7 @@ def test_bench_pg_learn_time_on_one_and_two_ranks(tmp_path):
 def test_pg_sends_the_readmes_bytes_per_learn_for_its_default_batch_from_rank_0():
     algo = pg_algo()
     algo.stored = algo.config.frames_per_learn
-    global_step, meta_info, data = algo.get_server_data()
-    order = {"order": "learn", "threads": 1, "global_step": global_step, "meta_info": meta_info, "data": data}
+    order = {"order": "learn", "threads": 1, "server_data": algo.get_server_data()}  # as in_step sends it
     said = re.search(r"that is ([\d,]+)\s+bytes", readme())
     assert said and int(said.group(1).replace(",", "")) == len(pack_message(order))
 
