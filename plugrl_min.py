@@ -2051,35 +2051,67 @@ def in_a_notebook() -> bool:
     return loop_running() or threading.current_thread() is not threading.main_thread()
 
 
-def wait_interruptibly(done: threading.Event, on_interrupt) -> None:
-    """Until done is set; the kernel's Interrupt (a KeyboardInterrupt here) calls on_interrupt().
-    A sleep loop, not thread.join: interrupted, join can think the thread ended."""
-    while not done.is_set():
+class OnAThread:
+    """asyncio.run(coroutine) on a thread of its own (a kernel's loop runs in this one): wait()
+    blocks until it ends and gives its result, or raises its exception here. The kernel's
+    Interrupt (a KeyboardInterrupt in wait) calls interrupted(): a cancel, as Ctrl-C is to
+    asyncio.run, and a KeyboardInterrupt here once it has ended."""
+
+    def __init__(self, coroutine, name: str):
+        self.task, self.outcome, self.cancelled = None, concurrent.futures.Future(), False
+        self.thread = threading.Thread(target=self.run, args=(self.tracked(coroutine),),
+                                       name=name, daemon=True)
+        self.thread.start()
+
+    async def tracked(self, coroutine):
+        """The coroutine, its task kept for another thread to cancel."""
+        self.task = asyncio.current_task()
+        return await coroutine
+
+    def run(self, coroutine) -> None:
+        """The thread: the coroutine's own event loop, until it ends."""
         try:
-            time.sleep(0.05)
-        except KeyboardInterrupt:
-            on_interrupt()
+            self.outcome.set_result(asyncio.run(coroutine))
+        except BaseException as error:  # SystemExit too: raised in the caller's thread
+            self.outcome.set_exception(error)
+
+    def wait(self):
+        """Until it ends: its result. A sleep loop, not thread.join: interrupted, join can think
+        the thread ended."""
+        while not self.outcome.done():
+            try:
+                time.sleep(0.05)
+            except KeyboardInterrupt:
+                self.interrupted()
+        self.thread.join()
+        if self.cancelled:
+            raise KeyboardInterrupt
+        return self.outcome.result()
+
+    def interrupted(self) -> None:
+        """Cancel the coroutine (once it runs; after it ended, nothing is left to cancel)."""
+        self.cancelled = True
+        with contextlib.suppress(AttributeError, RuntimeError):  # no task yet, or its loop closed
+            self.task.get_loop().call_soon_threadsafe(self.task.cancel)
 
 
-class Serving:
+class Serving(OnAThread):
     """A run served on a thread of its own (a kernel's loop is busy with the notebook): wait()
-    blocks like the command line, and the kernel's Interrupt acts as Ctrl-C: once, a clean
-    stop with the final checkpoint; again a second later, a stop at once without one (130)."""
+    blocks like the command line and gives the exit status, and the kernel's Interrupt acts as
+    Ctrl-C: once, a clean stop with the final checkpoint; again a second later, a stop at once
+    without one (130)."""
 
     def __init__(self, server: Server, host: str, port: int, on_listening, at_end=None):
-        self.server, self.status, self.task, self.at_end = server, None, None, at_end
+        self.server, self.at_end = server, at_end
         self.started = threading.Event()  # the run directory is claimed, or the run failed
         self.run_dir_claimed = False  # the first of the two: the run serves
-        self.done = threading.Event()
 
         def claimed(port: int) -> None:
             on_listening(port)
             self.run_dir_claimed = True
             self.started.set()
 
-        self.thread = threading.Thread(target=self.serve, args=(host, port, claimed),
-                                       name="plugrl-server", daemon=True)
-        self.thread.start()
+        super().__init__(server.run(host, port, claimed), "plugrl-server")
         try:
             self.started.wait()
         except KeyboardInterrupt:  # in the start: the run stops at its loop's first pass
@@ -2091,23 +2123,19 @@ class Serving:
         """Where this run writes its checkpoints and metrics.jsonl."""
         return self.server.run_dir
 
-    def serve(self, host: str, port: int, claimed) -> None:
-        """The thread: the server's own event loop, until the run ends."""
-        async def run() -> int:
-            self.task = asyncio.current_task()
-            return await self.server.run(host, port, claimed)
+    def run(self, coroutine) -> None:
+        """The thread: the server's own event loop, until the run ends; its exit status."""
         # Torch's thread count is per thread, and a thread's first use of torch takes the count
         # set last by any thread: asked first, this one's stays 1 when the caller's is put back.
         if torch.get_num_threads() != 1:
             torch.set_num_threads(1)  # one answers small inference batches fastest
         try:
-            self.status = run_status(self.server, run())
+            self.outcome.set_result(run_status(self.server, coroutine))
         finally:
             self.server.learn_executor.shutdown(wait=False)  # its learn, if any, ends alone
             if self.at_end is not None:
                 self.at_end()
             self.started.set()
-            self.done.set()
 
     def stop(self) -> int:
         """Stop after the learn in progress, with the final checkpoint: the exit status."""
@@ -2118,12 +2146,6 @@ class Serving:
         """order() in the server's thread, between two lines of its loop (if it still runs)."""
         with contextlib.suppress(RuntimeError):  # the loop has closed: the run is over
             self.server.loop.call_soon_threadsafe(order)
-
-    def wait(self) -> int:
-        """Until the run ends: its exit status, as the command line would give it."""
-        wait_interruptibly(self.done, self.interrupted)
-        self.thread.join()
-        return self.status
 
     def interrupted(self) -> None:
         """The kernel's Interrupt, or Ctrl-C in a REPL: the first as on_signal's Ctrl-C (and its
@@ -2157,36 +2179,6 @@ def start(argv: list[str]) -> Serving:
     if not isinstance(serving, Serving):
         raise RuntimeError(f"the run did not start (exit status {serving}; see the error above)")
     return serving
-
-
-def run_on_a_thread(coroutine):
-    """asyncio.run(coroutine) on a thread of its own, for a notebook cell (its kernel's loop
-    runs in this thread): its result, or its exception raised here. The kernel's Interrupt
-    cancels it, as Ctrl-C does asyncio.run's, and raises KeyboardInterrupt once it has ended."""
-    running, outcome, done, interrupted = [], concurrent.futures.Future(), threading.Event(), []
-
-    async def run():
-        running.append((asyncio.get_running_loop(), asyncio.current_task()))
-        return await coroutine
-
-    def thread() -> None:
-        try:
-            outcome.set_result(asyncio.run(run()))
-        except BaseException as error:  # SystemExit too: raised in the caller's thread
-            outcome.set_exception(error)
-        done.set()
-
-    def cancel() -> None:
-        interrupted.append(True)
-        for loop, task in running:
-            with contextlib.suppress(RuntimeError):  # its loop has closed: it has ended
-                loop.call_soon_threadsafe(task.cancel)
-
-    threading.Thread(target=thread, name="plugrl-env-client", daemon=True).start()
-    wait_interruptibly(done, cancel)
-    if interrupted:
-        raise KeyboardInterrupt
-    return outcome.result()
 
 
 # ===== 13. Messages: what a client hears first, and every field it sends, checked =====
@@ -3170,10 +3162,10 @@ def env_client_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.num_envs < 1 or args.num_episodes < 0:
         parser.error("--num-envs must be at least 1 and --num-episodes at least 0")
-    run = asyncio.run
-    run = run_on_a_thread if loop_running() else run  # [notebook] a cell: the kernel's loop runs
     try:
-        return run(run_env_client(args))
+        if loop_running():  # [notebook] a cell: the kernel's loop runs in this thread
+            return OnAThread(run_env_client(args), "plugrl-env-client").wait()  # [notebook]
+        return asyncio.run(run_env_client(args))
     except (SystemExit, ValueError) as error:  # SystemExit(message): a clear stop, with its reason
         if isinstance(error, SystemExit) and not isinstance(error.code, str):
             raise  # a bare exit status from elsewhere (a plug-in, a library) keeps its meaning
