@@ -5288,7 +5288,7 @@ bench = pytest.mark.skipif(os.environ.get("PLUGRL_BENCH") != "1",
 
 def test_the_benchmarks_are_skipped_unless_plugrl_bench_is_1():
     benchmarks = {name: test for name, test in globals().items() if name.startswith("test_bench_")}
-    assert len(benchmarks) == 8
+    assert len(benchmarks) == 9
     for name, test in benchmarks.items():  # each carries the one skipif mark, and no other
         assert [mark for mark in getattr(test, "pytestmark", []) if mark.name.startswith("skip")] == [bench.mark], name
     (skipped,) = bench.mark.args  # pytest skips them when it is true; it was worked out as this file was imported
@@ -5316,12 +5316,14 @@ def wait_listening(port: int, process, timeout=60.0) -> None:
 
 # --- SAC over the wire against CleanRL's loop in-process, pendulum-v1 -------------------------
 
-def sac_seed(seed: int, steps: int, folder) -> dict:
-    """One SAC server and one pendulum-v1 client as processes: the client's summary, timed."""
+def sac_seed(seed: int, steps: int, folder, *flags) -> dict:
+    """One SAC server (with these flags) and one pendulum-v1 client as processes: the client's summary, timed.
+    The server's output goes to seed{seed}.log in folder."""
     port = str(free_port())
-    server = subprocess.Popen([sys.executable, "plugrl_min.py", "dummy-policy", "default", "sac", "default",
-                               "--port", port, "--seed", str(seed), "--algo.global-steps", str(steps),
-                               "--run-dir", str(folder / f"seed{seed}")], cwd=HERE, stdout=subprocess.DEVNULL)
+    with open(folder / f"seed{seed}.log", "w") as log:
+        server = subprocess.Popen([sys.executable, "plugrl_min.py", "dummy-policy", "default", "sac", "default",
+                                   "--port", port, "--seed", str(seed), "--algo.global-steps", str(steps),
+                                   "--run-dir", str(folder / f"seed{seed}"), *flags], cwd=HERE, stdout=log)
     try:
         client = python("plugrl_min.py", "env-client", "pendulum-v1", "--server-port", port, "--seed", str(seed),
                         "--num-episodes", "0", "--summary-json", str(folder / f"seed{seed}.json"),
@@ -5415,6 +5417,65 @@ def test_bench_sac_learns_pendulum_over_the_wire_no_slower_than_cleanrl_in_proce
           f" | speed {'PASS' if fast else 'FAIL'} (mean {seconds.mean():.1f} s per seed, CleanRL in-process "
           f"{references.mean():.1f} s)")
     assert learns and fast
+
+
+# --- The same SAC agent in-process and over the wire, pendulum-v1 ------------------------------
+
+# sac_example's agent looped as a single-file script would loop it (CleanRL's order): act, step the
+# environment, store the frame, one update per step past learning_starts. No server, torch's own threads.
+SAC_IN_PROCESS = '''
+import json, sys, time, numpy as np, torch
+sys.path.insert(0, ".")
+import plugrl_min, sac_example
+seed, steps = int(sys.argv[1]), int(sys.argv[2])
+torch.manual_seed(seed)
+np.random.seed(seed)
+env = plugrl_min.PendulumEnv(1, seed)
+agent = sac_example.SAC(sac_example.SACConfig(global_steps=steps), plugrl_min.make_policy("dummy-policy"))
+agent.init_optimizers()
+obs, returns, start = env.reset(), [], time.perf_counter()
+for _ in range(steps):
+    action, _ = agent.infer(obs)  # uniform random before learning_starts, then the actor
+    next_obs, reward, terminated, truncated, info = env.step(action[:, 0])
+    agent.buffer.add(obs["state"][0], action[0], float(reward[0]), next_obs["state"][0], bool(terminated[0]))
+    agent.global_step += 1
+    if agent.global_step > agent.config.learning_starts:
+        agent.updates += 1
+        agent.update()
+    if terminated[0] or truncated[0]:
+        returns.append(float(info["episode"]["r"][0]))
+        next_obs = env.reset()
+    obs = next_obs
+print(json.dumps({"seconds": time.perf_counter() - start, "returns": returns, "threads": torch.get_num_threads()}))
+'''
+
+
+def learn_threads_used(log: str) -> collections.Counter:
+    """How many of the server's progress lines (one per 10 s) show each learn thread count."""
+    return collections.Counter(int(count) for count in re.findall(r"ms, (\d+) threads?", log))
+
+
+@bench
+def test_bench_the_same_sac_agent_in_process_and_over_the_wire(tmp_path):
+    steps, bar, most = 15_000, -200.0, 1.10
+    rows = []
+    for seed in (1, 2):  # one at a time: two runs would share the cores
+        run = python("-c", SAC_IN_PROCESS, str(seed), str(steps), timeout=3600)
+        assert run.returncode == 0, run.stderr
+        alone = json.loads(run.stdout.splitlines()[-1])
+        wire = sac_seed(seed, steps, tmp_path)
+        threads = learn_threads_used((tmp_path / f"seed{seed}.log").read_text())
+        rows.append((alone["seconds"], wire["seconds"], np.mean(alone["returns"][-10:]), np.mean(wire["returns"][-10:])))
+        print(f"seed {seed}: in-process {alone['seconds']:6.1f} s ({alone['threads']} torch threads), last-10 "
+              f"{rows[-1][2]:7.1f} | over the wire {wire['seconds']:6.1f} s (learn threads in progress lines: "
+              f"{dict(sorted(threads.items()))}), last-10 {rows[-1][3]:7.1f} | {wire['seconds'] / alone['seconds']:.2f} x "
+              f"| load average {os.getloadavg()[0]:.1f}", flush=True)
+    alone, wire, alone_returns, wire_returns = (np.array(column) for column in zip(*rows))
+    ratio = wire.sum() / alone.sum()  # over both seeds: one seed's time swings with load
+    learns = bool((alone_returns >= bar).all() and (wire_returns >= bar).all())
+    print(f"summary: over the wire {wire.sum():.1f} s, in-process {alone.sum():.1f} s: {ratio:.2f} x (bar {most}) | "
+          f"worst last-10 {min(alone_returns.min(), wire_returns.min()):.1f} (bar {bar:g})")
+    assert ratio <= most and learns
 
 
 # --- Throughput: the full server against a floor server, in the same run ----------------------
