@@ -1740,7 +1740,6 @@ class Ranks:
         dist.broadcast(data, 0, group=self.orders)
         return unpack_message(data.numpy().tobytes())
 
-
     def stop(self, status: int) -> int:
         """Rank 0, once its clients were told: the stop order. A rank gone already makes it 1."""
         try:
@@ -1763,7 +1762,6 @@ class Ranks:
         print(f"rank {self.rank}: the launcher is gone, and rank 0 silent: exiting",
               file=sys.stderr, flush=True)
         os._exit(1)
-
 
 
 def in_step(ranks: Ranks | None, algo: DDPAlgorithm, learn):
