@@ -2112,11 +2112,11 @@ class Serving(OnAThread):
     def __init__(self, server: Server, host: str, port: int, on_listening, at_end=None):
         self.server, self.at_end = server, at_end
         self.started = threading.Event()  # the run directory is claimed, or the run failed
-        self.run_dir_claimed = False  # the first of the two: the run serves
+        self.run_dir = None  # once claimed (the first of the two): where the run writes its files
 
         def claimed(port: int) -> None:
             on_listening(port)
-            self.run_dir_claimed = True
+            self.run_dir = server.run_dir
             self.started.set()
 
         super().__init__(server.run(host, port, claimed), "plugrl-server")
@@ -2125,11 +2125,6 @@ class Serving(OnAThread):
         except KeyboardInterrupt:  # in the start: the run stops at its loop's first pass
             self.server.stop_requested = True
             self.started.wait()
-
-    @property
-    def run_dir(self) -> str:
-        """Where this run writes its checkpoints and metrics.jsonl."""
-        return self.server.run_dir
 
     def run(self, coroutine) -> None:
         """The thread: the server's own event loop, until the run ends; its exit status."""
@@ -2915,7 +2910,7 @@ def server_main(argv: list[str], plugins: list[str] = (), background: bool = Fal
 
     if background or in_a_notebook():  # [notebook] the server on a thread of its own
         serving = Serving(server, args.host, args.port, on_listening, at_end)  # [notebook]
-        return serving if background and serving.run_dir_claimed else serving.wait()  # [notebook]
+        return serving if background and serving.run_dir else serving.wait()  # [notebook]
     return serve(server, args.host, args.port, on_listening, command_line)
 
 
