@@ -5260,7 +5260,8 @@ def test_handout_the_readme_own_environment_trains_as_shown(tmp_path, plugins_in
     write_plugin(tmp_path, "plugrl_test_my_env", readme_block("## Your own environment"))
     words = readme_command("import numpy as np\nfrom plugrl_min import VecEnv, register_env")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # for the local client; the server runs in this process
-    status, _, err = run_main(*in_a_test(words[1:], tmp_path))
+    # Seeded, on one learn thread: unseeded, about one run in ten left pg where it began (-8.7).
+    status, _, err = run_main(*in_a_test(words[1:], tmp_path), "--seed", "1", "--learn-threads", "1")
     assert status == 0, err
     rewards = [line["rollout/reward"] for line in read_metrics(tmp_path / "run") if line["rollout/episodes"]]
     assert np.mean(rewards[-5:]) > np.mean(rewards[:3]) + 1  # it learned to reach 0
