@@ -110,7 +110,7 @@ SERVER_FAILED = "server failed"  # the close reason's prefix: a hook raised, or 
 NO_NODE = (-1, "")  # prev_node when there is no stored frame of this environment to link to
 
 
-@dataclasses.dataclass(eq=False, slots=True)  # slots: lighter and quicker, one per frame
+@dataclasses.dataclass(eq=False, slots=True)  # slots (here and below): lighter, quicker per frame
 class InferBatch:
     """One infer() call, kept until every environment in it has sent its feedback."""
 
@@ -121,7 +121,7 @@ class InferBatch:
     train_state: list  # [n] each environment's row of derive_train_state(runtime_state)
 
 
-@dataclasses.dataclass(eq=False, slots=True)  # slots: lighter and quicker, one per frame
+@dataclasses.dataclass(eq=False, slots=True)
 class StepState:
     """An environment's step state: the infer batch and row of the action it executes."""
 
@@ -129,7 +129,7 @@ class StepState:
     row: int
 
 
-@dataclasses.dataclass(eq=False, slots=True)  # slots: lighter and quicker, one per frame
+@dataclasses.dataclass(eq=False, slots=True)
 class EnvSlot:
     """What the server keeps for one environment of one connection."""
 
@@ -140,7 +140,7 @@ class EnvSlot:
     prev_node: tuple = NO_NODE  # what feedback returned for its previous stored frame
 
 
-@dataclasses.dataclass(eq=False, slots=True)  # slots: lighter and quicker, one per frame
+@dataclasses.dataclass(eq=False, slots=True)
 class Connection:
     """One env client: its WebSocket and its environments, by the client's own env_indices."""
 
@@ -150,7 +150,7 @@ class Connection:
     heard_at: float = 0.0  # [timeout] its last feedback, or the last action sent to it
 
 
-@dataclasses.dataclass(eq=False, slots=True)  # slots: lighter and quicker, one per frame
+@dataclasses.dataclass(eq=False, slots=True)
 class InferRequest:
     """A checked infer message, queued until the control loop answers it."""
 
@@ -159,7 +159,7 @@ class InferRequest:
     obs: dict  # {key: [n, ...]}
 
 
-@dataclasses.dataclass(eq=False, slots=True)  # slots: lighter and quicker, one per frame
+@dataclasses.dataclass(eq=False, slots=True)
 class Frame:
     """One environment's frame: its step state (what it was given) and what its feedback says."""
 
@@ -173,7 +173,7 @@ class Frame:
     info: dict  # e.g. {"episode": {...}} (every frame of the message has it if one finished)
 
 
-@dataclasses.dataclass(eq=False, slots=True)  # slots: lighter and quicker, one per frame
+@dataclasses.dataclass(eq=False, slots=True)
 class FeedbackMessage:
     """A checked feedback message: its frames, one per environment, in the message's order."""
 
