@@ -2077,11 +2077,15 @@ class OnAThread:
         return await coroutine
 
     def run(self, coroutine) -> None:
-        """The thread: the coroutine's own event loop, until it ends."""
+        """The thread: its outcome, whatever ends it, for wait() to give or raise."""
         try:
-            self.outcome.set_result(asyncio.run(coroutine))
+            self.outcome.set_result(self.finish(coroutine))
         except BaseException as error:  # SystemExit too: raised in the caller's thread
             self.outcome.set_exception(error)
+
+    def finish(self, coroutine):
+        """The coroutine's own event loop, until it ends: its result."""
+        return asyncio.run(coroutine)
 
     def wait(self):
         """Until it ends: its result. A sleep loop, not thread.join: interrupted, join can think
@@ -2126,14 +2130,14 @@ class Serving(OnAThread):
             self.server.stop_requested = True
             self.started.wait()
 
-    def run(self, coroutine) -> None:
-        """The thread: the server's own event loop, until the run ends; its exit status."""
+    def finish(self, coroutine) -> int:
+        """The server's own event loop, until the run ends: its exit status."""
         # Torch's thread count is per thread, and a thread's first use of torch takes the count
         # set last by any thread: asked first, this one's stays 1 when the caller's is put back.
         if torch.get_num_threads() != 1:
             torch.set_num_threads(1)  # one answers small inference batches fastest
         try:
-            self.outcome.set_result(run_status(self.server, coroutine))
+            return run_status(self.server, coroutine)
         finally:
             self.server.learn_executor.shutdown(wait=False)  # its learn, if any, ends alone
             if self.at_end is not None:
