@@ -11,25 +11,26 @@ one frame as it travels:
   1. out of the client: run_episodes sends an observation in an infer message;
   2. through the server: the in-flight data, then Server: run and its tasks; handle_client and
      accept (the frame comes in); control_loop and infer_waiting (its action comes from infer);
-     route_feedback (feedback or discard_feedback, and why); learn_once (when learn runs, on
-     which thread, and why serving pauses); save and request_stop;
+     route_feedback and discard_reason (feedback or discard_feedback, and why); learn_once
+     (when learn runs, on which thread, and why serving pauses); save and request_stop;
   3. to disk, and to the end: save_checkpoint; serve and on_signal (what SIGINT and SIGTERM do);
   4-6. what it carries and where it lands: the state types and Checkpoint, BaseTorchPolicy's
      contract, BaseAlgorithm (every hook) and DummyAlgorithm, the smallest algorithm.
 The second reading, in any order: PG (the first learner, a DDPAlgorithm), the wire format, rows
-of nested arrays, the registries, the built-in policies, the run's record, the input checks,
-the rest of the env client, and the command line in named steps.
+of nested arrays, the registries, the built-in policies, the run's record, the clients' checks
+(every field of a message, the feedback timeout, the token: all part of the core), the rest of
+the env client, and the command line in named steps.
 
-Optional features are one block each, under a banner "# ===== [NAME] ...": ranks, learn-threads,
-trace, timeout, token, tensorboard, report, notebook, pendulum, cartpole, gym. Each line
-elsewhere that belongs to one carries a comment that begins "# [NAME]". Delete a block and its
-lines, and the rest still serves, learns and saves.
+Optional features are one block each, under a banner "# ===== [NAME] ...": learn-threads, ranks,
+trace, tensorboard, report, notebook, pendulum, cartpole, gym. Each line elsewhere that belongs
+to one carries a comment that begins "# [NAME]". Delete a block and its lines, and the rest
+still serves, learns and saves.
 """
 
 from __future__ import annotations  # an annotation may name a class defined further down
 
-# The core's imports. Each later section imports what only it uses, at its top: a copy that
-# cuts a section cuts its imports with it.
+# The core's imports. Each later section or block imports, at its top, what only it uses: a copy
+# that cuts one cuts its imports with it.
 import abc
 import asyncio
 import concurrent.futures
@@ -43,20 +44,19 @@ import math
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
 import typing
 
-if sys.version_info < (3, 10):
-    sys.exit(f"error: plugrl_min needs Python 3.10 or newer; this is {sys.version.split()[0]}")
+if sys.version_info < (3, 11):  # the version it is tested on
+    sys.exit(f"error: plugrl_min needs Python 3.11 or newer; this is {sys.version.split()[0]}")
 
 import numpy as np
 import torch
 import websockets
 
-if int(websockets.__version__.split(".")[0]) < 15:  # older ones lack the API below, or its flags
-    sys.exit(f"error: plugrl_min needs websockets 15 or newer; this Python has "
+if int(websockets.__version__.split(".")[0]) < 16:  # Server.close(code, reason) came in 16.0
+    sys.exit(f"error: plugrl_min needs websockets 16 or newer; this Python has "
              f"{websockets.__version__}: pip install -r requirements.txt")
 from torch import nn
 from websockets.asyncio.server import serve as websockets_serve
@@ -93,12 +93,13 @@ async def run_episodes(ws, executor, num_episodes: int, tally: dict) -> None:
         feedback = {"message_type": "feedback", "env_indices": env_indices, "obs": obs,
                     "reward": reward, "terminated": terminated, "truncated": truncated,
                     "info": {"episode": episode} if episode["mask"].any() else {}}
-        await ws.send(pack_message(feedback))
-        # The feedback carried the observation the episode ended on; the reset gives the next
-        # infer the observation the new episode starts from.
+        frame = pack_message(feedback)  # its bytes: the observations the episodes ended on
+        # Reset what finished before the send: the next infer starts the new episodes, and a
+        # connection lost in the send leaves no finished environment to be stepped again.
         done = terminated | truncated
         if done.any():
             executor.reset(np.flatnonzero(done))
+        await ws.send(frame)
 
 
 # ===== 2. The server: one control task between the clients and the algorithm =====
@@ -115,6 +116,7 @@ class InferBatch:
     """One infer() call, kept until every environment in it has sent its feedback."""
 
     version: int  # the policy version that acted: learns so far
+    sent_at: float  # the serving clock when its actions were sent: each one's feedback is due
     action: np.ndarray  # [n, action_horizon, action_dim]
     obs: list  # [n] the observation each action was chosen for, {key: array}
     runtime_state: list  # [n] each environment's row of the runtime state
@@ -147,7 +149,6 @@ class Connection:
     ws: typing.Any
     number: int  # for the trace: connections in the order they came
     slots: dict = dataclasses.field(default_factory=dict)  # env index -> EnvSlot
-    heard_at: float = 0.0  # [timeout] its last feedback, or the last action sent to it
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -188,18 +189,18 @@ class Server:
 
     def __init__(self, algo: BaseAlgorithm, run_dir: str, names: tuple[str, str], *,
                  max_message_bytes: int = MAX_MESSAGE_BYTES, max_envs_per_client: int = 4096,
-                 feedback_timeout: float = 60.0,  # [timeout]
-                 token: str | None = None,  # [token]
+                 feedback_timeout: float = 60.0, token: str | None = None,
                  learn_threads: int | None = None,  # [learn-threads]
                  trace: int = 0,  # [trace]
                  ranks=None,  # [ranks] a Ranks: the other ranks of a torch.distributed launch
-                 global_step: int = 0, policy_version: int = 0, log_every: int = 1000):
+                 global_step: int = 0, policy_version: int = 0, frames: int = 0,
+                 seconds: float = 0.0, log_every: int = 1000):
         self.algo, self.run_dir = algo, run_dir
         self.max_message_bytes = max_message_bytes
         self.max_envs = max_envs_per_client  # one client must not hold the loop for everyone
-        self.feedback_timeout = feedback_timeout  # [timeout]
-        self.token = token  # [token]
-        self.threads = LearnThreads(learn_threads, TORCH_THREADS, own_cores())  # [learn-threads]
+        self.feedback_timeout = feedback_timeout  # a client owing feedback longer is dropped
+        self.token = token  # a client must send it at the handshake (None: anyone may connect)
+        self.threads = LearnThreads(learn_threads)  # [learn-threads]
         self.trace_left = trace  # [trace] frames still to narrate
         self.ranks = ranks  # [ranks] the other ranks of a torch.distributed launch
         self.global_step = global_step
@@ -207,7 +208,7 @@ class Server:
         self.obs_spec = obs_spec_of(algo.policy.obs_spec)
         self.action_shape = (algo.policy.action_horizon, algo.policy.action_dim)
         self.action_dtype = np.float32 if algo.policy.num_actions is None else np.int64
-        self.metadata = metadata_of(algo.policy, names)  # the first message of every connection
+        self.metadata = metadata_of(algo.policy, self.obs_spec, names)  # every client's first
         self.connections = set()  # the open ones; a closed or rejected one leaves at once
         self.connection_numbers = itertools.count(1)  # Connection.number: in the order they came
         self.inbox, self.waiting = [], []  # checked messages, in arrival order; waiting infers
@@ -219,11 +220,10 @@ class Server:
         self.closing = False  # control_loop has returned: what the run saves is saved
         self.saved = []  # the checkpoints this run wrote, oldest first: pruning deletes no other
         self.learning_seconds = 0.0  # in learns so far: the serving clock stands still in them
-        self.frames = self.discarded = 0  # routed since the start, and of those discarded
+        self.frames = self.discarded = 0  # routed by this process, and of those discarded
         self.local_clients = []  # (number, process, log path) of the --local-env-clients
-        self.record = RunRecord(log_every, policy_version)  # metrics.jsonl, progress
-        # Every learn() runs in this one OS thread (torch's thread count is per OS thread); the
-        # event loop's thread infers with one, the fastest for small batches.
+        self.record = RunRecord(log_every, frames, seconds)  # metrics.jsonl, progress
+        # Every learn() runs in this one OS thread (torch's thread count is per OS thread).
         self.learn_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="learn")
 
     async def run(self, host: str, port: int, on_listening=None) -> int:
@@ -233,10 +233,9 @@ class Server:
         self.loop = asyncio.get_running_loop()
         with naming(f"cannot listen on {host}:{port}"):  # the bind alone: the port is taken...
             server = await websockets_serve(
-                self.handle_client, host, port, compression=None,
-                ping_interval=self.feedback_timeout,  # [timeout] keeps an idle connection open
-                process_request=token_check(self.token),  # [token] HTTP 401 without it
-                max_size=self.max_message_bytes, ping_timeout=None)  # a late pong closes none
+                self.handle_client, host, port, compression=None, max_size=self.max_message_bytes,
+                process_request=token_check(self.token),  # HTTP 401 without the token
+                ping_interval=self.feedback_timeout, ping_timeout=None)  # no pong closes one
         async with server:
             open_run(self, server.sockets, on_listening)
             ticker = asyncio.create_task(tick(self.wake))
@@ -295,7 +294,6 @@ class Server:
                                 "answer", "send feedback only for environments given an action")
         for slot in slots:
             slot.step = None
-        conn.heard_at = serving_clock(self)  # [timeout]
         m = len(slots)
         rows = zip(env_ids, slots, steps, split_rows(message["obs"], m),
                    split_rows(message["reward"], m),  # floats, or [k] rows
@@ -320,6 +318,7 @@ class Server:
             # should_learn() stays true, learn again: the page's symptom when it never turns false.
             while self.algo.should_learn() and not self.stop_requested:
                 await self.learn_once()
+            # Once a pass, after its learns (none between back-to-back learns): stop, save.
             stop = self.stop_requested or self.algo.should_stop()
             if self.frames and (stop or self.algo.should_save()):  # none for a run of no frame
                 self.save()  # create_checkpoint(), and the server's counters beside, to disk
@@ -327,7 +326,7 @@ class Server:
                 return
             await self.infer_waiting()
             watch_local_clients(self)
-            drop_silent_clients(self)  # [timeout]
+            drop_silent_clients(self)
             self.record.show_progress(self)
 
     async def infer_waiting(self) -> None:
@@ -339,15 +338,8 @@ class Server:
         obs = {key: np.concatenate([request.obs[key] for request in requests])
                for key in self.obs_spec}
         n = sum(len(request.env_indices) for request in requests)
-        action, runtime_state = self.algo.infer(obs)
-        action = np.asarray(action, self.action_dtype)  # as the wire sends it
-        if action.shape != (n, *self.action_shape):  # the algorithm's own bug: the run fails
-            raise RuntimeError(f"infer returned actions {list(action.shape)}, expected "
-                               f"{[n, *self.action_shape]}")
-        train_state = self.algo.derive_train_state(runtime_state)
-        batch = InferBatch(self.version, action, [], [], [])  # its rows: cut once it is sent
-        self.record.count_batch(n)  # for server/mean_batch_size
-        now = serving_clock(self)  # [timeout]
+        action, runtime_state, train_state = self.infer_and_derive(obs, n)
+        batch = InferBatch(self.version, serving_clock(self), action, [], [], [])  # rows: below
         row = 0
         for request in requests:
             first = row
@@ -356,7 +348,6 @@ class Server:
                 slot.waiting = False
                 slot.step = StepState(batch, row)
                 row += 1
-            request.conn.heard_at = now  # [timeout]
             reply = {"message_type": "action", "env_indices": request.env_indices,
                      "action": action[first:row]}
             with contextlib.suppress(ConnectionClosed):
@@ -367,17 +358,26 @@ class Server:
         batch.runtime_state = split_rows(runtime_state, n)
         batch.train_state = split_rows(train_state, n)
 
+    def infer_and_derive(self, obs: dict, n: int) -> tuple:
+        """infer(obs) and derive_train_state for n environments: (action, runtime_state,
+        train_state). An infer for no environment is answered without the algorithm."""
+        if n == 0:
+            return np.zeros((0, *self.action_shape), self.action_dtype), None, None
+        action, runtime_state = self.algo.infer(obs)
+        action = np.asarray(action, self.action_dtype)  # as the wire sends it
+        if action.shape != (n, *self.action_shape):  # the algorithm's own bug: the run fails
+            raise RuntimeError(f"infer returned actions {list(action.shape)}, expected "
+                               f"{[n, *self.action_shape]}")
+        self.record.count_batch(n)  # for server/mean_batch_size
+        return action, runtime_state, self.algo.derive_train_state(runtime_state)
+
     def route_feedback(self, message: FeedbackMessage) -> None:
         """The routing rule: feedback() for frames the algorithm stores, discard_feedback() else."""
         for frame in message.frames:
             slot = frame.slot
             step = frame.step
-            # An on-policy gradient averages over actions of the policy being improved. A frame
-            # whose action came from an older version (stale), or one that arrives once a learn
-            # is due (its batch is full), would bias it: discard_feedback only counts its episode.
-            stale = step.batch.version != self.version
-            discard = self.algo.on_policy and (stale or self.algo.should_learn())
-            if discard:
+            reason = discard_reason(self.algo, self.version, step)
+            if reason is not None:
                 self.algo.discard_feedback(info=frame.info, next_terminated=frame.next_terminated,
                                            next_truncated=frame.next_truncated)
                 node = NO_NODE  # the chain of this environment's stored frames is broken
@@ -393,8 +393,7 @@ class Server:
                     next_truncated=frame.next_truncated, prev_node=slot.prev_node)
                 if log:
                     self.record.add(log)
-            if self.trace_left > 0:  # [trace] --trace N: the first N frames
-                trace_frame(self, message.conn, frame, node, discard, stale)  # [trace]
+            trace_frame(self, message.conn, frame, node, reason)  # [trace] the first N frames
             slot.prev_node = node
             slot.terminated = frame.next_terminated
             slot.truncated = frame.next_truncated
@@ -403,9 +402,8 @@ class Server:
     async def learn_once(self) -> None:
         """pre_learn, learn() in the learn thread, post_learn; messages queue, none is answered."""
         started = time.monotonic()
-        learn = self.algo.learn
-        learn = in_step(self.ranks, self.algo, learn)  # [ranks] every rank learns rank 0's data
-        learn = self.threads.timed(learn, self.frames)  # [learn-threads] 1 torch thread or all
+        learn = in_step(self.ranks, self.algo, self.algo.learn)  # [ranks] rank 0's data to all
+        learn = self.threads.around(learn)  # [learn-threads] a thread per core left idle
         self.algo.pre_learn()
         self.global_step, log = await self.loop.run_in_executor(self.learn_executor, learn)
         self.algo.post_learn()
@@ -416,19 +414,31 @@ class Server:
         self.record.learned(self, {**log, "server/learn_seconds": seconds})
 
     def save(self) -> None:
-        """A checkpoint; then this run's own older ones are pruned (the newest three stay)."""
-        counters = {"global_step": self.global_step, "policy_version": self.version}
+        """A checkpoint; then this run's older ones are pruned (the newest three stay)."""
+        counters = {"global_step": self.global_step, "policy_version": self.version,
+                    **self.record.run_counters(self)}  # what the run counts beside: frames, time
         path = save_checkpoint(self.run_dir, self.algo.create_checkpoint(), counters)
-        self.saved = [old for old in self.saved if old != path] + [path]
-        for old in self.saved[:-3]:
-            with naming(f"cannot remove the old checkpoint {old}"):
-                os.remove(old)
-        self.saved = self.saved[-3:]
+        self.saved = prune_checkpoints(self.saved, path)
 
     def request_stop(self) -> None:
-        """Stop after the learn in progress: a final checkpoint, the clients told."""
+        """Stop after the learn in progress: the final checkpoint (once a frame was served), then
+        every client told. From any thread: a signal's handler, a notebook's Interrupt."""
         self.stop_requested = True
-        self.wake.set()
+        if self.loop is not None:
+            with contextlib.suppress(RuntimeError):  # its loop has closed: the run is over
+                self.loop.call_soon_threadsafe(self.wake.set)
+
+
+def discard_reason(algo: BaseAlgorithm, version: int, step: StepState) -> str | None:
+    """The routing rule: why a frame goes to discard_feedback ("stale" or "learn due"), or None
+    for feedback. An on-policy gradient averages over actions of the policy being improved. A
+    frame whose action came from an older version (stale), or one that arrives once a learn is
+    due (its batch is full), would bias it: discard_feedback only counts its episode."""
+    if not algo.on_policy:  # a replay-buffer learner stores every frame
+        return None
+    if step.batch.version != version:
+        return "stale"
+    return "learn due" if algo.should_learn() else None
 
 
 # ===== 3. A checkpoint on disk, and what SIGINT and SIGTERM do =====
@@ -460,6 +470,15 @@ def save_checkpoint(run_dir: str, checkpoint: Checkpoint, server_counters: dict)
     return path
 
 
+def prune_checkpoints(saved: list[str], path: str) -> list[str]:
+    """After a save to path: the run's newest three checkpoints; the older ones it deletes."""
+    saved = [old for old in saved if old != path] + [path]
+    for old in saved[:-3]:
+        with naming(f"cannot remove the old checkpoint {old}"):
+            os.remove(old)
+    return saved[-3:]
+
+
 def serve(server: Server, host: str, port: int, on_listening, command_line: bool) -> int:
     """Serve in the main thread until the run ends: its exit status. SIGINT and SIGTERM call
     on_signal until the local clients are gone; then main([...]) gives back the handlers it
@@ -474,43 +493,28 @@ def serve(server: Server, host: str, port: int, on_listening, command_line: bool
             signal.signal(signum, signal.SIG_IGN if command_line else old)
 
 
-def run_status(server: Server, run) -> int:
-    """asyncio.run(run), the server's run, in this thread: its exit status, or for a failure
-    around it one line and 1 (a file or the port, named; else a traceback) or a usage error's 2."""
-    status = 1
-    try:  # the local clients then get 10 s in all to end (none after a stop at once)
-        status = asyncio.run(run)
-    except SystemExit as stop:  # another run claimed the run directory meanwhile: 2
-        status = exit_status(stop)
-    except asyncio.CancelledError:  # [notebook] stopped at once, without a final checkpoint
-        status = 130  # [notebook]
-    except Exception as error:
-        print_failure(error)
-    finally:
-        reap(server.local_clients, 0 if status == 130 else 10)
-    return status
-
-
 def on_signal(server: Server, *_) -> None:
-    """SIGINT or SIGTERM: stop cleanly. Copies within a second are the same request (timeout,
-    docker stop, Slurm and a terminal's Ctrl-C send several); a later one quits at once.
-    A plain handler: serve() installs it for a run, and a notebook's first Interrupt calls it.
-    It runs between two lines of the loop's thread, a final save's too, and after the loop."""
-    now = time.monotonic()
-    if server.signalled_at is not None:
-        if now - server.signalled_at < 1.0:
-            return
+    """SIGINT or SIGTERM: the first is request_stop(); copies within a second are the same
+    request (timeout, docker stop, Slurm and a terminal's Ctrl-C send several); a later one
+    quits at once. A plain handler: serve() installs it for a run, and a notebook's first
+    Interrupt calls it. It runs between two lines of the loop's thread, a final save's too."""
+    if server.signalled_at is None:
+        server.signalled_at = time.monotonic()
+        print("\nstopping after the learn in progress, if any (a final checkpoint once a frame "
+              "was served); Ctrl-C again, a second or more from now, quits without one",
+              file=sys.stderr, flush=True)
+        server.request_stop()
+    elif signalled_again(server):
         if server.closing:  # the final checkpoint is written: nothing is left to lose
             os._exit(server.status if server.ended is None else server.ended)
         print("\nstopped again: exiting now, without a final checkpoint", file=sys.stderr,
               flush=True)
         os._exit(130)
-    server.signalled_at = now
-    print("\nstopping: a final checkpoint once the learn in progress (if any) ends; "
-          "Ctrl-C again quits without one", file=sys.stderr, flush=True)
-    server.stop_requested = True  # control_loop: the final checkpoint, then every client told
-    if server.loop is not None and not server.loop.is_closed():
-        server.loop.call_soon_threadsafe(server.wake.set)
+
+
+def signalled_again(server: Server) -> bool:
+    """A signal a second or more after the first: not one of its copies, a second request."""
+    return server.signalled_at is not None and time.monotonic() - server.signalled_at >= 1.0
 
 
 # ===== 4. State types: what flows from infer to feedback, and what a checkpoint holds =====
@@ -619,12 +623,13 @@ class BaseAlgorithm(abc.ABC):
         """Store one frame: obs, the action drawn for it (runtime_state), reward and next_obs.
 
         terminated/truncated are the flags of this environment's previous frame, because they
-        say what obs is: true means this frame begins an episode (obs is a reset observation),
-        so nothing before it belongs to its trajectory. next_terminated/next_truncated are this
-        transition's own. prev_node is a handle that links an environment's stored frames into
-        a trajectory: what feedback returned for its previous frame, or (-1, "") when that frame
-        was discarded or there was none. Returns (prev_node, global_step, log_dict): the
-        prev_node to hand to this environment's next frame, the page's name for this frame's node.
+        say what obs is: true means this frame begins an episode (obs is a reset observation).
+        Both false does not prove it continues one: an environment's first frame on a connection
+        may begin one too. What links frames is prev_node: what feedback returned for this
+        environment's previous frame, or (-1, "") when there is none to link to (its first
+        frame on this connection, or the one after a discard): a trajectory starts there.
+        next_terminated/next_truncated are this transition's own. Returns (prev_node,
+        global_step, log_dict): the prev_node to hand to this environment's next frame.
         """
         raise NotImplementedError(f"{type(self).__name__}.feedback: store the frame and return "
                                   "(prev_node, global_step, log_dict)")
@@ -1382,12 +1387,14 @@ import socket
 
 
 class RunRecord:
-    """What a run writes and says as it goes: a line of metrics.jsonl every --log-every routed
-    frames (the learns and episodes in between, averaged), and a progress line."""
+    """What a run writes and says as it goes: a line of metrics.jsonl at the first learn once
+    --log-every frames were routed since the line before (the learns and episodes in between,
+    averaged) and one at the end; a progress line. A resumed run counts on from its checkpoint:
+    its learns (the policy version), frames and seconds."""
 
-    def __init__(self, log_every: int, policy_version: int = 0):
+    def __init__(self, log_every: int, frames: int = 0, seconds: float = 0.0):
         self.log_every = log_every  # frames between lines of metrics.jsonl (at least)
-        self.resumed_version = policy_version  # learns before this process
+        self.frames_before, self.seconds_before = frames, seconds  # the run's, before --resume
         # The next line: key -> [sum of weighted values, sum of weights], and its episodes.
         self.window, self.window_episodes = {}, 0
         self.logged_at = self.discarded_at = 0  # server.frames, .discarded at the last line
@@ -1413,9 +1420,10 @@ class RunRecord:
         if self.tensorboard is not None:  # [tensorboard]
             self.tensorboard.close()  # [tensorboard]
 
-    def learns(self, server) -> int:
-        """The learns of this process (a resumed run's policy version counts the earlier too)."""
-        return server.version - self.resumed_version
+    def run_counters(self, server) -> dict:
+        """What a checkpoint keeps for --resume to count on from: the run's frames and seconds."""
+        seconds = self.seconds_before + time.perf_counter() - self.started
+        return {"frames": self.frames_before + server.frames, "seconds": round(seconds, 3)}
 
     def count_batch(self, n: int) -> None:
         """One infer() of n environments."""
@@ -1444,7 +1452,7 @@ class RunRecord:
     def write(self, server, event: str) -> None:
         """One line of metrics.jsonl (and TensorBoard) for the frames since the last line: the
         mean of every value learn and feedback returned, rollout/* over the episodes that ended."""
-        elapsed = time.perf_counter() - self.started
+        elapsed = time.perf_counter() - self.started  # of this process: its fps
         means = {key: total / weight for key, (total, weight) in self.window.items()}
         rollout = {key: means.pop(key, 0.0)  # 0 when no episode ended
                    for key in ("rollout/reward", "rollout/length", "rollout/success")}
@@ -1452,10 +1460,12 @@ class RunRecord:
         discarded = server.discarded - self.discarded_at
         metrics = {**means, **rollout, "rollout/episodes": self.window_episodes,
                    "server/fed": frames - discarded, "server/discarded": discarded,
-                   "server/frames": server.frames, "server/policy_version": server.version,
+                   "server/frames": self.frames_before + server.frames,
+                   "server/policy_version": server.version,
                    "server/fps": server.frames / elapsed,
                    "server/mean_batch_size": self.inferred_envs / max(self.infer_calls, 1)}
-        line = {"event": event, "step": server.global_step, "time": round(elapsed, 3), **metrics}
+        run_seconds = round(self.seconds_before + elapsed, 3)  # counting on after --resume
+        line = {"event": event, "step": server.global_step, "time": run_seconds, **metrics}
         with naming(f"cannot write {self.metrics_file.name}"):
             self.metrics_file.write(f"{json.dumps(line)}\n".encode())
         if self.tensorboard is not None:  # [tensorboard]
@@ -1474,7 +1484,7 @@ class RunRecord:
         batch = self.inferred_envs / max(self.infer_calls, 1)
         line = (f"step {server.global_step}/{server.algo.config.global_steps} | "
                 f"{server.frames / (now - self.started):.0f} fps | rollout/reward "
-                f"{self.last_reward:.2f} | batch {batch:.1f} | {self.learns(server)} learns")
+                f"{self.last_reward:.2f} | batch {batch:.1f} | {server.version} learns")
         line += server.threads.progress()  # [learn-threads]
         print("\r" + line if tty else line, end="" if tty else "\n", flush=True)
 
@@ -1486,9 +1496,7 @@ def open_run(server, sockets: list, on_listening) -> None:
     host, port = (ipv4 or sockets)[0].getsockname()[:2]
     print(f"listening on ws://{f'[{host}]' if ':' in host else host}:{port}", flush=True)
     if on_listening is not None:
-        on_listening(port)
-    with naming(f"cannot make the run directory {server.run_dir}"):
-        os.makedirs(server.run_dir, exist_ok=True)
+        on_listening(port)  # the command line's claims the run directory (claim_run_dir)
     server.record.open(server.run_dir)
 
 
@@ -1502,12 +1510,29 @@ def finish_run(server, code: int, reason: str, status: int) -> int:
     record.close()
     if server.ranks is not None:  # [ranks] told last: no dead rank holds a client
         status = server.ranks.stop(status)  # [ranks]
-    print(f"\n{reason}: global step {server.global_step}, {record.learns(server)} learns",
+    print(f"\n{reason}: global step {server.global_step}, {server.version} learns",
           flush=True)
     if code == 1000 and not server.frames:
         print("no frame was served: no checkpoint or metrics line was written", flush=True)
     elif code == 1000:  # [report]
         print(report([server.run_dir]), flush=True)  # [report]
+    return status
+
+
+def run_status(server: Server, run) -> int:
+    """asyncio.run(run), the server's run, in this thread: its exit status, or for a failure
+    around it one line and 1 (a file or the port, named; else a traceback) or a usage error's 2."""
+    status = 1
+    try:  # the local clients then get 10 s in all to end (none after a stop at once)
+        status = asyncio.run(run)
+    except SystemExit as stop:  # another run claimed the run directory meanwhile: 2
+        status = exit_status(stop)
+    except asyncio.CancelledError:  # [notebook] stopped at once, without a final checkpoint
+        status = 130  # [notebook]
+    except Exception as error:
+        print_failure(error)
+    finally:
+        reap(server.local_clients, 0 if status == 130 else 10)  # [notebook] 0 s: stopped at once
     return status
 
 
@@ -1559,157 +1584,72 @@ def load_newest_checkpoint(run_dir: str) -> tuple[Checkpoint, dict]:
     raise FileNotFoundError(f"nothing to resume in {run_dir}: no loadable checkpoints/step_*.pt")
 
 
-# ===== [learn-threads] How many torch threads a learn gets: one, or all, faster now =====
-# plugrl_min's own: the PlugRL page leaves threads to the server. Cut: learns run on torch's
-# default count (all cores), as a plain script's would.
+# ===== [learn-threads] How many torch threads a learn gets: one per core left idle =====
+# plugrl_min's own: the PlugRL page leaves threads to the server. Cut: learns and infers run on
+# torch's default count, as a plain script's would.
 
-TORCH_THREADS = torch.get_num_threads()  # torch's own count, before the server sets its own
+TORCH_THREADS = torch.get_num_threads()  # torch's own count, before the server pins its own
+CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []  # taskset
 
 
 class LearnThreads:
-    """How many torch threads each learn() gets: --learn-threads N, or the faster of 1 and all
-    (one on each core this process may run on, at most `most`, torch's own count). All threads
-    learn faster on idle cores, but each waits, spinning, for the others after every
-    operation: once another process takes a core, learns get two to a hundred times slower. So
-    blocks of learns are timed (per frame: a learn's work grows with the frames it follows), on
-    one thread first, then on all; the other count is tried again after 1 s of learning (twice
-    as long after each try that lost or that busy cores skipped), or at once when a block is
-    1.5x slower than the last. All threads are tried only while the cores they need sat idle
-    during the learns (those cores' lines of /proc/stat), and a try whose first learn takes
-    twice as long per frame stops there."""
+    """Torch threads for each learn: --learn-threads N, or one per core that other processes
+    leave idle during learns (at most torch's own count). A learn's threads wait for each other,
+    spinning, after every operation: beside a busy process, two threads learn slower than one.
+    Around each learn, /proc/stat's busy ticks of this process's cores, less this process's own
+    CPU time, say how many cores the others kept busy; every second of learning, that decides."""
 
-    # Learns per timed block. The first waits for sleeping threads: it is left out of the block's
-    # cost, except that a try's first learn, alone, may stop the try at once.
-    BLOCK = 11
+    def __init__(self, fixed: int | None):
+        self.fixed, self.most = fixed, min(TORCH_THREADS, len(CORES) or TORCH_THREADS)
+        self.count = fixed or self.most
+        self.busy = self.own = self.seconds = 0.0  # summed over learns since the last decision
+        self.warned, self.last = False, (0.0, self.count)  # last: for the progress line
 
-    def __init__(self, fixed: int | None, most: int = 1, cores: set[int] | None = None):
-        self.cores = sorted(cores or range(most))  # its affinity (taskset, a cpuset), if known
-        self.counts = [fixed] if fixed else sorted({1, min(most, len(self.cores))})
-        self.current = self.counts[0]  # one thread first: the safe choice on a busy machine
-        self.trying = None  # the other count, while a block of it is timed
-        self.cost, self.block = {}, []  # count -> seconds per frame; this block's (s, frames)
-        self.learning, self.try_at, self.wait = 0.0, 0.0, 1.0  # seconds of learning: the clock
-        self.fastest, self.warned, self.last = math.inf, False, (0.0, 1)  # last: for progress
-        self.ticks = [0, 0]  # idle and all clock ticks of self.cores in learns since a try
-        self.learned_frames = 0  # the server's frames at the last learn
-        self.sampled_at = 0.0  # seconds of learning when the next learn's ticks are read
-
-    def choose(self) -> int:
-        """The thread count for the next learn."""
-        return self.trying or self.current
-
-    def timed(self, learn, frames: int):
-        """learn, wrapped to run in the learn thread on the count chosen now, timed and recorded
-        (frames: the server's count of routed frames, which a learn's work grows with)."""
-        def timed_learn():
-            threads = self.choose()
-            torch.set_num_threads(threads)  # cheap, and per OS thread: inference keeps its one
-            # Reading /proc/stat costs about 0.1 ms: the ticks of a learn every 20 ms of learning
-            # are enough to tell busy cores (the plain form reads them around every learn).
-            sampled = self.learning >= self.sampled_at and self.trying is None
-            started = time.perf_counter()
-            before = cpu_ticks(self.cores) if sampled else None
+    def around(self, learn):
+        """learn, wrapped to run in the learn thread on the chosen count, and measured."""
+        def counted_learn():
+            torch.set_num_threads(self.count)  # per OS thread: inference keeps its one
+            before = (time.perf_counter(), busy_seconds(), time.process_time())
             result = learn()
-            seconds = time.perf_counter() - started
-            after = cpu_ticks(self.cores) if sampled else None
-            ticks = (after[0] - before[0], after[1] - before[1]) if before and after else None
-            warning = self.record(threads, seconds, frames - self.learned_frames, ticks)
-            if sampled:
-                self.sampled_at = self.learning + 0.02
-            if warning:
-                print(f"\nwarning: {warning}", file=sys.stderr, flush=True)
-            self.learned_frames = frames
+            after = (time.perf_counter(), busy_seconds(), time.process_time())
+            self.last = (after[0] - before[0], self.count)
+            if self.fixed is None and before[1] is not None and after[1] is not None:
+                self.seconds += after[0] - before[0]
+                self.busy += after[1] - before[1]
+                self.own += after[2] - before[2]
+                if self.seconds >= 1.0:  # /proc/stat counts in 10 ms ticks: a second is enough
+                    self.decide()
             return result
-        return timed_learn
+        return counted_learn
+
+    def decide(self) -> None:
+        """One thread per core the others left idle during the learns since the last decision."""
+        others = max(self.busy - self.own, 0.0) / self.seconds  # in cores
+        self.count = max(1, min(self.most, int(len(CORES) - others + 0.5)))
+        if self.count < self.most and not self.warned:
+            self.warned = True
+            print(f"\nnote: other processes kept {others:.1f} of this server's {len(CORES)} cores "
+                  f"busy while it learned: learns take {self.count} torch thread(s) until they "
+                  "are idle (--learn-threads N fixes the count)", file=sys.stderr, flush=True)
+        self.busy = self.own = self.seconds = 0.0
 
     def progress(self) -> str:
         """The progress line's part: the last learn's time and thread count."""
         seconds, threads = self.last
         return f" | learn {1000 * seconds:.1f} ms, {threads} thread{'s' * (threads > 1)}"
 
-    def record(self, threads: int, seconds: float, frames: int,
-               ticks: tuple[int, int] | None = None) -> str | None:
-        """Time one learn (ticks: the machine's idle and all clock ticks during it, if known);
-        a warning, once, when learns got much slower than at their fastest."""
-        self.last = (seconds, threads)
-        if not frames:  # a learn again, with no frame since: none of its work is the frames'
-            return None
-        self.learning += seconds
-        self.block.append((seconds, frames))
-        if ticks is not None and self.trying is None:
-            self.ticks = [self.ticks[0] + ticks[0], self.ticks[1] + ticks[1]]
-        counted = self.block[1:] or self.block  # a try's first learn: only to stop it at once
-        cost = sum(s for s, _ in counted) / max(sum(f for _, f in counted), 1)
-        if self.trying is not None:
-            return self.end_try(cost) if self.lost(cost) else None
-        if len(self.block) < self.BLOCK:
-            return None
-        self.block = []
-        slower = cost > 1.5 * self.cost.get(threads, math.inf)
-        self.cost[threads] = cost
-        if len(self.counts) > 1 and (slower or self.learning >= self.try_at):
-            other = next(count for count in self.counts if count != self.current)
-            if other < self.current or self.cores_idle():
-                self.trying = other
-            else:  # the cores are taken: a try of all threads would only slow every process
-                self.after_try(won=False)
-        return self.warning(cost)
 
-    def lost(self, cost: float) -> bool:
-        """True once the try has run its block, or is clearly slower than the current count."""
-        first = len(self.block) == 1 and cost > 2 * self.cost[self.current]
-        losing = len(self.block) >= 3 and cost > 1.5 * self.cost[self.current]
-        return first or losing or len(self.block) >= self.BLOCK
-
-    def end_try(self, cost: float) -> str | None:
-        """A tried count must be clearly faster to take over; its cost counts for the warning."""
-        won = cost < 0.95 * self.cost[self.current]  # a try cut short was slower: never a win
-        self.current, self.trying, self.block = self.trying if won else self.current, None, []
-        self.after_try(won)
-        return self.warning(cost)
-
-    def after_try(self, won: bool) -> None:
-        """After a win, the old count is tried again soon: a win by chance costs little."""
-        self.wait = 1.0 if won else min(2 * self.wait, 160.0)
-        self.try_at = self.learning + self.wait
-        self.ticks = [0, 0]
-
-    def cores_idle(self) -> bool:
-        """Whether the learns since the last try left the cores all threads add mostly idle
-        (unknown, off Linux or before 0.2 s of ticks: yes)."""
-        idle, every = self.ticks
-        return every < 20 or len(self.cores) * idle / every >= 0.75 * (max(self.counts) - 1)
-
-    def warning(self, cost: float) -> str | None:
-        """Once: learns now much slower than at their fastest."""
-        self.fastest = min(self.fastest, cost)
-        if cost < 3 * self.fastest or self.warned:
-            return None
-        self.warned = True
-        return (f"learns now take {cost / self.fastest:.1f}x as long as at their fastest: is the "
-                "machine busy? Try --learn-threads 1, or fewer processes beside this one")
-
-
-def cpu_ticks(cores: list[int]) -> tuple[int, int] | None:
-    """(idle, all) clock ticks of these cores since boot, from /proc/stat; None off Linux."""
-    names, idle, every = {f"cpu{core}" for core in cores}, 0, 0
+def busy_seconds() -> float | None:
+    """CPU seconds spent on this process's cores since boot, by every process (/proc/stat's
+    user to steal, less idle and iowait); None off Linux."""
     try:
         with open("/proc/stat") as file:
-            for line in file:  # "cpu" (all cores), "cpu0", "cpu1", ..., then other counters
-                name, *words = line.split()
-                if not name.startswith("cpu"):
-                    break
-                if name in names:
-                    ticks = [int(word) for word in words[:8]]  # user .. steal
-                    idle, every = idle + ticks[3] + ticks[4], every + sum(ticks)  # idle, iowait
-    except (OSError, ValueError):
+            lines = [line.split() for line in file if line.startswith("cpu")][1:]  # per core
+    except OSError:
         return None
-    return idle, every
-
-
-def own_cores() -> set[int] | None:
-    """The cores this process may run on (taskset, a cpuset); None off Linux."""
-    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    ticks = sum(sum(map(int, words[1:9])) - int(words[4]) - int(words[5])
+                for words in lines if int(words[0][3:]) in CORES)
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 # ===== [ranks] Several learners: the ranks of a torch.distributed launch =====
@@ -1718,6 +1658,7 @@ def own_cores() -> set[int] | None:
 
 import atexit
 import datetime
+import threading
 
 
 class Ranks:
@@ -1833,81 +1774,29 @@ def serve_as_learner(algo: DDPAlgorithm, ranks: Ranks) -> int:
 # ===== [trace] --trace N: the contract, watched as it runs =====
 # PlugRL page: the routing rule and prev_node, narrated for the first N frames and their learns.
 
-def trace_frame(server: Server, conn: Connection, frame: Frame, node: tuple, discard: bool,
-                stale: bool) -> None:
-    """One line on one frame, from its infer batch to where its feedback went."""
+def trace_frame(server: Server, conn: Connection, frame: Frame, node: tuple,
+                reason: str | None) -> None:
+    """One line on one frame of the first N, from its infer batch to where its feedback went
+    (reason: discard_reason's)."""
+    if server.trace_left <= 0:
+        return
     server.trace_left -= 1
-    step = frame.step
-    action = np.array2string(step.batch.action[step.row].ravel(), precision=3)
-    where = ("feedback (off-policy: every frame is stored)" if not server.algo.on_policy
-             else "feedback (acted with the current version)" if not discard
-             else f"discard_feedback (stale: acted with version {step.batch.version}, the "
-                  f"policy is version {server.version})" if stale
-             else "discard_feedback (learn due: should_learn() is true)")
+    batch = frame.step.batch
+    action = np.array2string(batch.action[frame.step.row].ravel(), precision=3)
+    where = {None: "feedback (acted with the current version)" if server.algo.on_policy
+             else "feedback (off-policy: every frame is stored)",
+             "stale": f"discard_feedback (stale: acted with version {batch.version}, the policy "
+                      f"is version {server.version})",
+             "learn due": "discard_feedback (learn due: should_learn() is true)"}[reason]
     print(f"trace: conn {conn.number} env {frame.env_index} | infer batch of "
-          f"{len(step.batch.action)} at version {step.batch.version} | action {action} | "
+          f"{len(batch.action)} at version {batch.version} | action {action} | "
           f"-> {where} | prev_node {frame.slot.prev_node} -> {node}", flush=True)
 
 
 def trace_learn(server: Server) -> None:
     """One line on a learn, while frames are still narrated."""
     if server.trace_left > 0:
-        print(f"trace: learn {server.record.learns(server)} -> policy version {server.version}",
-              flush=True)
-
-
-# ===== [timeout] A client silent too long is dropped; a ping keeps an idle one open =====
-# plugrl_min's own: a client that dies without closing (a pulled cable, kill -STOP) must not
-# hold its environments' step states forever. Cut: such a client stays until its socket fails.
-
-SILENT = "client silent"  # the close reason's prefix when a client owed feedback too long
-_DROPPING = set()  # the drops in progress: asyncio keeps only weak references to tasks
-
-
-def serving_clock(server: Server) -> float:
-    """Seconds of serving: a clock that stands still while the server learns."""
-    return time.monotonic() - server.learning_seconds
-
-
-def drop_silent_clients(server: Server) -> None:
-    """Drop a client that owes feedback for --feedback-timeout s of serving time."""
-    limit = serving_clock(server) - server.feedback_timeout
-    for conn in list(server.connections):
-        if conn.heard_at < limit and any(slot.step is not None for slot in conn.slots.values()):
-            server.connections.discard(conn)  # once: the task below runs after this pass
-            error = ProtocolError(f"{SILENT}: no feedback for {server.feedback_timeout:g} s "
-                                  "of serving", "send feedback after every action")
-            task = asyncio.create_task(reject(server, conn, error))
-            _DROPPING.add(task)
-            task.add_done_callback(_DROPPING.discard)
-
-
-# ===== [token] --token: only clients that send the run's token connect =====
-# plugrl_min's own: a server on a shared network is reachable by anyone who finds its port.
-
-import hmac
-
-
-def token_check(token: str | None):
-    """websockets' process_request: refuse at the handshake a client without the run's token
-    (HTTP 401). None without a token: every client is let in."""
-    if token is None:
-        return None
-    expected = f"Bearer {token}".encode()
-
-    def check(connection, request):
-        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        if hmac.compare_digest(given, expected):  # in constant time: no hint from the timing
-            return None
-        return connection.respond(401, "missing or wrong token\n")
-    return check
-
-
-def warn_without_token(host: str, token: str | None) -> None:
-    """A server reachable from other machines, with no token, says so."""
-    if host not in ("127.0.0.1", "localhost", "::1") and not token:
-        print(f"warning: serving on {host} without --token: anyone who can reach it can "
-              "connect", file=sys.stderr)
+        print(f"trace: learn {server.version} -> policy version {server.version}", flush=True)
 
 
 # ===== [tensorboard] TensorBoard's curves beside metrics.jsonl =====
@@ -1937,6 +1826,9 @@ def write_scalars(writer, metrics: dict, step: int) -> None:
 # plugrl_min's own: each run ends with its report; the command compares several. Cut: a run ends
 # with its end line alone, and metrics.jsonl is the record.
 
+import argparse
+
+
 def read_metrics(run_dir: str) -> list[dict]:
     """The lines of a run directory's metrics.jsonl (ValueError if it has none)."""
     path = os.path.join(run_dir, "metrics.jsonl")
@@ -1960,7 +1852,8 @@ def read_metrics(run_dir: str) -> list[dict]:
 
 def return_curve(lines: list[dict], episodes: int = 100) -> list[tuple[int, float]]:
     """(step, mean return of the last 100+ episodes) at every line that saw episodes: the mean
-    over the newest lines that hold at least 100 of them, each weighted by rollout/episodes."""
+    over the newest lines that hold at least 100 (`episodes`) of them, each weighted by
+    rollout/episodes."""
     curve, held = [], []  # held: (episodes, mean return) of the newest lines that are needed
     for line in lines:
         if line["rollout/episodes"]:
@@ -1977,33 +1870,34 @@ def run_mark(i: int) -> str:
     return (run_mark(i // 26 - 1) if i >= 26 else "") + chr(ord("A") + i % 26)
 
 
-def report(run_dirs: list[str], reach: float | None = None) -> str:
+def report(run_dirs: list[str], reach: float | None = None, last: int = 100) -> str:
     """A line on each run (steps, learns, discards, episodes, the mean return of its last 100+
-    episodes, the best such mean, and when it first reached `reach`), then their curves."""
+    (`last`) episodes, the best such mean, and when it first reached `reach`), then their
+    curves."""
     rows, curves = [], {}
     for i, run_dir in enumerate(run_dirs):
         mark = run_mark(i)
         lines = read_metrics(run_dir)
-        curves[mark] = curve = return_curve(lines)
-        last = lines[-1]
-        figures = [f"{last['step']:,} steps", f"{last['server/policy_version']:,} learns",
+        curves[mark] = curve = return_curve(lines, last)
+        end = lines[-1]
+        figures = [f"{end['step']:,} steps", f"{end['server/policy_version']:,} learns",
                    f"{sum(line['server/discarded'] for line in lines):,} discarded",
                    f"{sum(line['rollout/episodes'] for line in lines):,} episodes"]
         if curve:
-            figures += [f"last 100+ episodes {curve[-1][1]:.2f}",
+            figures += [f"last {last}+ episodes {curve[-1][1]:.2f}",
                         f"best {max(mean for _, mean in curve):.2f}"]
         if reach is not None:
             step = next((step for step, mean in curve if mean >= reach), None)
             figures.append(f"{reach:g} never reached" if step is None else
                            f"{reach:g} reached at step {step:,}")
         rows.append(f"{mark} {run_dir}: " + " | ".join(figures))
-    return "\n".join(rows + [text_chart(curves)])
+    return "\n".join(rows + [text_chart(curves, last)])
 
 
-def text_chart(curves: dict, rows: int = 12, width: int = 60) -> str:
+def text_chart(curves: dict, last: int = 100, rows: int = 12, width: int = 60) -> str:
     """The runs' curves on the same axes, each drawn with its mark: return against steps. A mark
     takes one cell: runs past Z are listed, not drawn."""
-    title = "mean return of the last 100+ episodes, by step"
+    title = f"mean return of the last {last}+ episodes, by step"
     if len(curves) > 26:
         title += f" (runs A to Z are drawn; {len(curves) - 26} more are not)"
         curves = {mark: curve for mark, curve in curves.items() if len(mark) == 1}
@@ -2030,10 +1924,14 @@ def report_main(argv: list[str]) -> int:
                                      description="Compare runs from their metrics.jsonl.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     parser.add_argument("--reach", type=float, metavar="R",
-                        help="also the first step at which the last-100+ mean reached R")
+                        help="also the first step at which the last-N+ mean reached R")
+    parser.add_argument("--last", type=int, default=100, metavar="N",
+                        help="the mean return of the last N+ episodes (default: 100)")
     args = parser.parse_args(argv)
+    if args.last < 1:
+        parser.error("--last must be at least 1")
     try:
-        print(report(args.run_dirs, args.reach), flush=True)
+        print(report(args.run_dirs, args.reach, args.last), flush=True)
     except ValueError as error:
         return _usage_error(error)
     except BrokenPipeError:  # `report RUN | head -3`: the reader has what it wanted
@@ -2045,18 +1943,18 @@ def report_main(argv: list[str]) -> int:
 # plugrl_min's own: a kernel runs an event loop already, and its signals are the kernel's. Cut:
 # main([...]) in a cell fails in asyncio.run, as a plain script's would.
 
-def loop_running() -> bool:
-    """True in a notebook cell: its kernel runs an event loop in this thread already."""
-    try:
-        return asyncio.get_running_loop() is not None
-    except RuntimeError:
-        return False
+import threading
 
 
 def in_a_notebook() -> bool:
-    """True in a notebook cell, or off the main thread: either way the signals are not the
-    server's to take, and it serves on a thread of its own."""
-    return loop_running() or threading.current_thread() is not threading.main_thread()
+    """True in a notebook cell (its kernel runs an event loop in this thread already), or off
+    the main thread: either way the signals are not the command's to take, and it runs on a
+    thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # no loop runs in this thread
+        return threading.current_thread() is not threading.main_thread()
+    return True
 
 
 class OnAThread:
@@ -2127,7 +2025,7 @@ class Serving(OnAThread):
         try:
             self.started.wait()
         except KeyboardInterrupt:  # in the start: the run stops at its loop's first pass
-            self.server.stop_requested = True
+            self.server.request_stop()
             self.started.wait()
 
     def finish(self, coroutine) -> int:
@@ -2146,25 +2044,20 @@ class Serving(OnAThread):
 
     def stop(self) -> int:
         """Stop after the learn in progress, with the final checkpoint: the exit status."""
-        self.ask(self.server.request_stop)
+        self.server.request_stop()
         return self.wait()
-
-    def ask(self, order) -> None:
-        """order() in the server's thread, between two lines of its loop (if it still runs)."""
-        with contextlib.suppress(RuntimeError):  # the loop has closed: the run is over
-            self.server.loop.call_soon_threadsafe(order)
 
     def interrupted(self) -> None:
         """The kernel's Interrupt, or Ctrl-C in a REPL: the first as on_signal's Ctrl-C (and its
         copies, the same request); a later one stops at once, in the server's thread."""
-        first = self.server.signalled_at
         if self.server.ended is not None:  # its local clients end (reap): nothing to stop
             print("\nthe run has ended already: its local env clients get up to 10 s to end",
                   file=sys.stderr, flush=True)
-        elif first is None or time.monotonic() - first < 1.0:
+        elif not signalled_again(self.server):
             on_signal(self.server)
         else:  # not on_signal's os._exit: it would end the kernel
-            self.ask(self.stop_now)
+            with contextlib.suppress(RuntimeError):  # the loop has closed: the run is over
+                self.server.loop.call_soon_threadsafe(self.stop_now)
 
     def stop_now(self) -> None:
         """A second Interrupt, in the server's thread: a stop at once, without a final
@@ -2188,15 +2081,15 @@ def start(argv: list[str]) -> Serving:
     return serving
 
 
-# ===== 13. Messages: what a client hears first, and every field it sends, checked =====
+# ===== 13. Clients: their messages checked, how long they may owe feedback, who may connect =====
 # PlugRL page: infer(obs) and feedback(...)'s arguments, as they arrive from other processes, in
 # any language: every field is checked against the protocol reference in README.md, and a bad
 # one gets an error naming the field and what it must be. The algorithm only sees messages that
-# passed. A first reading skips these.
+# passed. Then the feedback timeout and the token. A first reading skips these.
 
-def metadata_of(policy: BaseTorchPolicy, names: tuple[str, str]) -> dict:
-    """The metadata message: what the policy reads and what it acts, for a client to check."""
-    obs_spec = obs_spec_of(policy.obs_spec)
+def metadata_of(policy: BaseTorchPolicy, obs_spec: dict, names: tuple[str, str]) -> dict:
+    """The metadata message: what the policy reads (obs_spec, as obs_spec_of writes it) and
+    what it acts, for a client to check."""
     return {"message_type": "metadata", "protocol_version": PROTOCOL_VERSION,
             "policy": names[0], "algorithm": names[1],
             "obs_spec": {key: {"shape": list(shape), "dtype": dtype.str}
@@ -2317,6 +2210,62 @@ async def reject(server: Server, conn: Connection, error: Exception) -> None:
     with contextlib.suppress(ConnectionClosed):
         await conn.ws.send(pack_message(reply))
         await conn.ws.close(1008, str(error).encode()[:120].decode(errors="ignore"))
+
+
+# --- How long a client may owe feedback: --feedback-timeout S ----------------------------------
+# A client that dies without closing (a pulled cable, kill -STOP) must not hold its environments'
+# step states forever; a ping every S seconds keeps an idle connection open.
+
+SILENT = "client silent"  # the close reason's prefix when a client owed feedback too long
+_DROPPING = set()  # the drops in progress: asyncio keeps only weak references to tasks
+
+
+def serving_clock(server: Server) -> float:
+    """Seconds of serving: a clock that stands still while the server learns."""
+    return time.monotonic() - server.learning_seconds
+
+
+def drop_silent_clients(server: Server) -> None:
+    """Drop a client whose environment owes feedback for an action sent --feedback-timeout s of
+    serving ago (its other environments' feedback does not excuse it)."""
+    due = serving_clock(server) - server.feedback_timeout  # an action sent before is overdue
+    for conn in list(server.connections):
+        if any(slot.step is not None and slot.step.batch.sent_at < due
+               for slot in conn.slots.values()):
+            server.connections.discard(conn)  # once: the task below runs after this pass
+            error = ProtocolError(f"{SILENT}: no feedback for {server.feedback_timeout:g} s "
+                                  "of serving", "send feedback after every action")
+            task = asyncio.create_task(reject(server, conn, error))
+            _DROPPING.add(task)
+            task.add_done_callback(_DROPPING.discard)
+
+
+# --- Who may connect: --token (or $PLUGRL_TOKEN), checked at the handshake ----------------------
+# A server on a shared network is reachable by anyone who finds its port.
+
+import hmac
+
+
+def token_check(token: str | None):
+    """websockets' process_request: refuse at the handshake a client without the run's token
+    (HTTP 401). None without a token: every client is let in."""
+    if token is None:
+        return None
+    expected = f"Bearer {token}".encode()
+
+    def check(connection, request):
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if hmac.compare_digest(given, expected):  # in constant time: no hint from the timing
+            return None
+        return connection.respond(401, "missing or wrong token\n")
+    return check
+
+
+def warn_without_token(host: str, token: str | None) -> None:
+    """A server reachable from other machines, with no token, says so."""
+    if host not in ("127.0.0.1", "localhost", "::1") and not token:
+        print(f"warning: serving on {host} without --token: anyone who can reach it can "
+              "connect", file=sys.stderr)
 
 
 # ===== 14. Environment client: environments, executing a decision, connecting =====
@@ -2463,16 +2412,17 @@ def _check_steps(steps, name: str) -> None:
 
 
 class MultiAction:
-    """Open loop: an action chunk [n, H, action_dim] executed step by step, up to replan_steps."""
+    """Open loop: an action chunk [n, H, action_dim] executed step by step, up to replan_steps.
+    stack_observations: the frame's observation is every step's, [n, k, ...], not the last."""
 
-    stack_observations = False
-
-    def __init__(self, env: VecEnv, replan_steps: int | None = None, reward_aggregation="sum"):
+    def __init__(self, env: VecEnv, replan_steps: int | None = None, reward_aggregation="sum",
+                 stack_observations: bool = False):
         _check_steps(1 if replan_steps is None else replan_steps, "replan_steps")
         if reward_aggregation not in REWARD_AGGREGATIONS:
             raise ValueError(f"reward_aggregation must be one of {', '.join(REWARD_AGGREGATIONS)}, "
                              f"got {reward_aggregation!r}")
         self.env, self.replan_steps, self.reward_aggregation = env, replan_steps, reward_aggregation
+        self.stack_observations = stack_observations
         self.obs = None  # what the next decision is made for
 
     def reset(self, indices=None) -> dict:
@@ -2528,9 +2478,9 @@ class ClosedLoopMultiAction(MultiAction):
     def __init__(self, env: VecEnv, controller: Controller, steps: int,
                  reward_aggregation: str = "sum", stack_observations: bool = False):
         _check_steps(steps, "steps")
-        super().__init__(env, reward_aggregation=reward_aggregation)
+        super().__init__(env, reward_aggregation=reward_aggregation,
+                         stack_observations=stack_observations)
         self.controller, self.steps = controller, int(steps)
-        self.stack_observations = stack_observations
         self.state = controller.initial_state(env.num_envs)
 
     def reset(self, indices=None) -> dict:
@@ -2565,32 +2515,48 @@ def check_metadata(meta: dict, executor, closed_loop: bool) -> None:
     if meta.get("message_type") != "metadata" or meta.get("protocol_version") != PROTOCOL_VERSION:
         raise SystemExit(f"the server speaks protocol {meta.get('protocol_version')}, "
                          f"this client {PROTOCOL_VERSION}")
-    misfit = "the server's policy does not fit this environment:"
+    decision_dim = executor.controller.decision_dim if closed_loop else None
+    problem = misfit(meta, executor.env, decision_dim)
+    if problem is not None:
+        raise SystemExit(f"the server's policy does not fit this environment: {problem}")
+
+
+def misfit(meta: dict, env, decision_dim: int | None = None) -> str | None:
+    """Why the policy of a server's metadata cannot act in env (a VecEnv, or its class), with the
+    flag that would fix it; None if it can. decision_dim: a closed loop's, in place of env's."""
     reads = obs_spec_of({key: (spec["shape"], spec["dtype"])
                          for key, spec in meta["obs_spec"].items()})
-    gives = obs_spec_of(executor.env.obs_spec)
-    for key in sorted(reads.keys() | gives.keys()):  # the first key that differs, by name
-        if reads.get(key) != gives.get(key):
-            read, given = (f"{spec[key][1].name} {list(spec[key][0])}" if key in spec
-                           else "nothing" for spec in (reads, gives))
-            raise SystemExit(f"{misfit} observation {key!r}: the policy reads {read}, this "
-                             f"environment gives {given} (see --policy.obs-dim)")
+    gives = obs_spec_of(env.obs_spec)
+    if reads != gives:
+        key = min(key for key in reads.keys() | gives.keys() if reads.get(key) != gives.get(key))
+        read, given = (f"{spec[key][1].name} {list(spec[key][0])}" if key in spec else "nothing"
+                       for spec in (reads, gives))
+        fits = json.dumps({key: [list(shape), dtype.name] for key, (shape, dtype) in gives.items()})
+        return (f"observation {key!r}: the policy reads {read}, this environment gives {given} "
+                f"(serve with --local-env to size the policy from it, or --policy.obs-spec "
+                f"'{fits}')")
     theirs = action_space(meta["action_dim"], meta.get("num_actions"))
-    needed = (action_space(executor.controller.decision_dim, None) if closed_loop
-              else action_space(executor.env.action_dim, executor.env.num_actions))
+    needed = (action_space(decision_dim, None) if decision_dim
+              else action_space(env.action_dim, env.num_actions))
+    continuous = decision_dim is not None or env.num_actions is None  # what this client needs
+    if (meta.get("num_actions") is None) != continuous:
+        policy = "dummy-policy" if continuous else "categorical-policy"
+        return f"the policy's actions are {theirs}, this client needs {needed} (serve {policy})"
     if theirs != needed:
-        raise SystemExit(f"{misfit} the policy's actions are {theirs}, this client needs {needed}")
-    if closed_loop and meta["action_horizon"] != 1:
-        raise SystemExit(f"{misfit} a closed loop takes one decision, the policy sends "
-                         f"{meta['action_horizon']}")
+        flag = (f"--policy.num-actions {env.num_actions}" if meta.get("num_actions")
+                else f"--policy.action-dim {decision_dim or env.action_dim}")
+        return f"the policy's actions are {theirs}, this client needs {needed} (serve with {flag})"
+    if decision_dim and meta["action_horizon"] != 1:
+        return f"a closed loop takes one decision, the policy sends {meta['action_horizon']}"
+    return None
 
 
 async def connect_to_server(args):
     """Connect, retrying for --connect-timeout s; None if the run has ended."""
     uri = f"ws://{args.server_host}:{args.server_port}"
     headers = {}
-    if args.token:  # [token]
-        headers["Authorization"] = f"Bearer {args.token}"  # [token]
+    if args.token:
+        headers["Authorization"] = f"Bearer {args.token}"
     deadline = time.monotonic() + args.connect_timeout
     while True:
         try:
@@ -2833,10 +2799,10 @@ def _usage_error(message) -> int:
     return 2
 
 
-def exit_status(stop: SystemExit) -> int:
+def exit_status(stop: SystemExit, prefix: str = "") -> int:
     """The status a SystemExit gives a shell; its message (a str) is printed, as Python does."""
     if isinstance(stop.code, str):
-        print(stop.code, file=sys.stderr)
+        print(f"{prefix}{stop.code}", file=sys.stderr)
     return stop.code if isinstance(stop.code, int) else int(stop.code is not None)
 
 
@@ -2873,12 +2839,13 @@ def _building(what: str, build, *args):
         raise SystemExit(f"error: building {what} failed (the traceback above says why)") from None
 
 
-def server_main(argv: list[str], plugins: list[str] = (), background: bool = False,
-                command_line: bool = False, at_end=None):
+def server_main(argv: list[str], plugins: list[str] = (),
+                background: bool = False,  # [notebook] start()'s: the Serving, once it serves
+                at_end=None,  # [notebook] runs as a run on a thread of its own ends
+                command_line: bool = False):
     """The server command, in its steps: the words and flags; the policy and algorithm (and the
     other ranks); --resume; the Server; once its port is taken, the run directory and the local
-    clients; then serving until the run ends. Returns the exit status (background: start()'s
-    Serving, once the run serves; at_end() runs as a run on a thread of its own ends)."""
+    clients; then serving until the run ends. Returns the exit status."""
     words, args, configs = parse_server_flags(argv)
     resolved = dict(zip(("policy", "policy_variant", "algorithm", "algo_variant"), words),
                     policy_config=dataclasses.asdict(configs["policy"]),
@@ -2894,12 +2861,11 @@ def server_main(argv: list[str], plugins: list[str] = (), background: bool = Fal
             raise SystemExit(f"error: {error}") from None
         algo.load_checkpoint(checkpoint)
         print(f"resumed from step {checkpoint.step} in {resume}", flush=True)
-    warn_without_token(args.host, args.token)  # [token]
+    warn_without_token(args.host, args.token)
     server = Server(algo, args.run_dir, (words[0], words[2]),
                     max_message_bytes=args.max_message_bytes,
                     max_envs_per_client=args.max_envs_per_client,
-                    feedback_timeout=args.feedback_timeout,  # [timeout]
-                    token=args.token,  # [token]
+                    feedback_timeout=args.feedback_timeout, token=args.token,
                     learn_threads=args.learn_threads,  # [learn-threads]
                     trace=args.trace,  # [trace]
                     ranks=ranks,  # [ranks]
@@ -2925,7 +2891,7 @@ def parse_server_flags(argv: list[str]) -> tuple[list[str], argparse.Namespace, 
     if len(words) < 4 or any(word.startswith("-") for word in words):  # --help alone lands here
         print("usage: python plugrl_min.py POLICY VARIANT ALGO VARIANT [flags; --help lists them]\n"
               "       python plugrl_min.py env-client ENV_ID [flags; --help lists them]\n"
-              "       python plugrl_min.py report RUN_DIR [RUN_DIR ...] [--reach R]\n"  # [report]
+              "       python plugrl_min.py report RUN_DIR ... [--reach R] [--last N]\n"  # [report]
               "--plugin MODULE, anywhere on the line, imports a plug-in first\n\n"
               f"policies: {_registered(_POLICY_CONFIGS)}\n"
               f"algorithms: {_registered(_ALGO_CONFIGS)}\n"
@@ -2939,7 +2905,6 @@ def parse_server_flags(argv: list[str]) -> tuple[list[str], argparse.Namespace, 
         add_config_flags(parser, prefix, config)
     add_server_flags(parser.add_argument)
     args = parser.parse_args(argv[4:])
-    args.token = args.token or None  # [token] an empty PLUGRL_TOKEN is no token, as on clients
     if args.port is None:  # one command needs no free port 8000; a lone server keeps the page's
         args.port = 0 if args.local_env_clients else 8000
     if args.resume and not args.run_dir:
@@ -2972,6 +2937,18 @@ def add_config_flags(parser: argparse.ArgumentParser, prefix: str, config) -> No
                            f"(default: {default})".replace("%", "%%").lstrip())
 
 
+def add_plugin_flag(add) -> None:
+    """--plugin MODULE: main() imports it before any command reads its words; listed in --help."""
+    add("--plugin", metavar="MODULE", action="append", help="import MODULE first: its "
+        "policies, algorithms and environments (repeatable, anywhere on the line)")
+
+
+def add_token_flag(add) -> None:
+    """--token, by default $PLUGRL_TOKEN; an empty one is no token, on the server and clients."""
+    add("--token", default=os.environ.get("PLUGRL_TOKEN"), type=lambda text: text or None,
+        help="the secret a client sends at the handshake (default: $PLUGRL_TOKEN; empty: none)")
+
+
 def add_server_flags(add) -> None:
     """The server's own flags, beside the configs' (add: parser.add_argument)."""
     add("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -2979,29 +2956,28 @@ def add_server_flags(add) -> None:
         "--local-env-clients, a free port)")
     add("--run-dir", help="a new folder for checkpoints and metrics, or with --resume the run to "
         "continue (default: runs/ALGO[-ENV][-seedN]-TIME, ENV with --local-env-clients)")
-    add("--plugin", metavar="MODULE", action="append", help="import MODULE first: its "
-        "policies, algorithms and environments (repeatable)")
+    add_plugin_flag(add)
     add("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
-    add("--seed", type=int, help="seeds torch and numpy on the server (and local clients)")
+    add("--seed", type=int, help="seeds torch and numpy on the server; local client i gets "
+        "--seed S+i-1 for its environments")
     add("--local-env-clients", type=int, default=0, metavar="N", help="start N env clients too")
     add("--local-env", metavar="ENV_ID", help="their environment (default: the algorithm's "
         "example_env, else the first registered that fits)")
     add("--local-num-envs", type=int, default=1, metavar="M", help="environments per local client")
     add("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="auto: cuda if any")
-    add("--log-every", type=int, default=1000, metavar="F",
-        help="routed frames (stored or discarded) between lines of metrics.jsonl")
+    add("--log-every", type=int, default=1000, metavar="F", help="a line of metrics.jsonl at "
+        "the first learn once F frames (stored or discarded) were routed since the last")
     add("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, metavar="B",
         help="a larger frame closes its connection (1009)")
     add("--max-envs-per-client", type=int, default=4096, metavar="N",
         help="environments one connection may use: one client cannot hold the loop")
     add("--learn-threads", type=int, metavar="N", help="torch threads per learn "  # [learn-threads]
-        "(default: 1 or all, whichever learns faster, timed anew)")  # [learn-threads]
+        "(default: one per core other processes leave idle)")  # [learn-threads]
     add("--trace", type=int, default=0, metavar="N",  # [trace]
         help="narrate the first N frames and learns")  # [trace]
-    add("--feedback-timeout", type=float, default=60.0, metavar="S", help="seconds of "  # [timeout]
-        "serving a client may owe feedback (also the ping interval)")  # [timeout]
-    add("--token", default=os.environ.get("PLUGRL_TOKEN"),  # [token]
-        help="default: $PLUGRL_TOKEN (empty: none)")  # [token]
+    add("--feedback-timeout", type=float, default=60.0, metavar="S", help="seconds of serving "
+        "an environment may owe feedback for an action (also the ping interval)")
+    add_token_flag(add)
 
 
 def build_algorithm(words: list[str], configs: dict, args: argparse.Namespace,
@@ -3018,7 +2994,7 @@ def build_algorithm(words: list[str], configs: dict, args: argparse.Namespace,
     if args.seed is not None:
         torch.manual_seed(args.seed)
         np.random.seed(args.seed)
-    torch.set_num_threads(1)  # one answers small inference batches fastest; learns choose theirs
+    torch.set_num_threads(1)  # [learn-threads] one answers small inference batches fastest
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     # LOCAL_RANK: the GPU torch.distributed.run gives this rank (0 without it).
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if cuda else "cpu")
@@ -3034,10 +3010,8 @@ def build_algorithm(words: list[str], configs: dict, args: argparse.Namespace,
 def choose_local_env(args: argparse.Namespace, server: Server) -> str | None:
     """--local-env, else the algorithm's example_env if it fits the policy, else the first
     registered environment that fits (None if none does). With local clients it must fit."""
-    acts = action_space(server.algo.policy.action_dim, server.algo.policy.num_actions)
     fits = [env_id for env_id, env in ENVIRONMENTS.items()  # in registration order
-            if obs_spec_of(env.obs_spec) == server.obs_spec
-            and action_space(env.action_dim, env.num_actions) == acts]
+            if misfit(server.metadata, env) is None]
     local_env = args.local_env or min(fits, key=lambda env_id: env_id != server.algo.example_env,
                                       default=None)  # the algorithm's own example first
     if args.local_env_clients:  # checked now: a start that fails leaves no trace on disk
@@ -3050,8 +3024,10 @@ def choose_local_env(args: argparse.Namespace, server: Server) -> str | None:
                 raise ValueError(f"environment {local_env!r} is defined in __main__, which the "
                                  "--local-env-clients processes cannot import: define it in a "
                                  "module and add --plugin MODULE")
-            check_metadata(server.metadata, MultiAction(make_env(local_env)), False)
-        except (ValueError, SystemExit) as error:
+            problem = misfit(server.metadata, make_env(local_env))
+            if problem is not None:
+                raise ValueError(f"the server's policy does not fit {local_env}: {problem}")
+        except ValueError as error:
             raise SystemExit(_usage_error(error)) from None
     return local_env
 
@@ -3095,12 +3071,12 @@ def start_local_clients(server: Server, args: argparse.Namespace, local_env: str
                    *[flag for module in plugins for flag in ("--plugin", module)]]
     if not args.local_env_clients:
         command = f"python {os.path.basename(__file__)} {' '.join(client_args)}"
-        command += " --token TOKEN" * bool(args.token)  # [token] the secret is not printed
+        command += " --token TOKEN" * bool(args.token)  # the secret is not printed
         print(f"no env clients yet: start one in another terminal with\n  {command}\n"
               "or run this server with --local-env-clients 1 to do both in one command",
               flush=True)
     environment = dict(os.environ)
-    environment["PLUGRL_TOKEN"] = args.token or ""  # [token] off the command line, as a secret
+    environment["PLUGRL_TOKEN"] = args.token or ""  # off the command line, as a secret
     for i in range(1, args.local_env_clients + 1):
         seed = [] if args.seed is None else ["--seed", str(args.seed + i - 1)]
         command = [sys.executable, os.path.abspath(__file__), *client_args, *seed]
@@ -3157,27 +3133,25 @@ def env_client_main(argv: list[str]) -> int:
     add("--seed", type=int, help="seeds the environments")
     add("--summary-json", help="write the summary here as one JSON object")
     add("--connect-timeout", type=float, default=30.0, help="seconds to wait for the server")
-    add("--token", default=os.environ.get("PLUGRL_TOKEN") or None,  # [token]
-        help="default: $PLUGRL_TOKEN")  # [token]
+    add_token_flag(add)
     add("--closed-loop-steps", type=int, metavar="K",
         help="hold each decision for K physical steps, acted out by --controller")
     add("--controller", default="track", help="track (dummy-v1, pendulum-v1)")
     add("--reward-aggregation", default="sum", choices=REWARD_AGGREGATIONS)
     add("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES)
-    add("--plugin", metavar="MODULE", action="append", help="import MODULE first: its "
-        "environments (repeatable)")
+    add_plugin_flag(add)
     args = parser.parse_args(argv)
     if args.num_envs < 1 or args.num_episodes < 0:
         parser.error("--num-envs must be at least 1 and --num-episodes at least 0")
     try:
-        if loop_running():  # [notebook] a cell: the kernel's loop runs in this thread
+        if in_a_notebook():  # [notebook] a cell: the kernel's loop runs in this thread
             return OnAThread(run_env_client(args), "plugrl-env-client").wait()  # [notebook]
         return asyncio.run(run_env_client(args))
-    except (SystemExit, ValueError) as error:  # SystemExit(message): a clear stop, with its reason
-        if isinstance(error, SystemExit) and not isinstance(error.code, str):
-            raise  # a bare exit status from elsewhere (a plug-in, a library) keeps its meaning
+    except ValueError as error:  # an unknown environment or controller: as a mistyped flag
         print(f"env-client: {error}", file=sys.stderr)
-        return 1 if isinstance(error, SystemExit) else 2
+        return 2
+    except SystemExit as stop:  # SystemExit(message): a clear stop, with its reason
+        return exit_status(stop, "env-client: ")
     except KeyboardInterrupt:
         return 130
 
@@ -3185,11 +3159,11 @@ def env_client_main(argv: list[str]) -> int:
 def import_plugins(argv: list[str]) -> tuple[list[str], list[str]]:
     """Import every --plugin MODULE (anywhere on the line); returns (plug-ins, the other words)."""
     parser = argparse.ArgumentParser(prog="plugrl_min.py", add_help=False, allow_abbrev=False)
-    parser.add_argument("--plugin", action="append", default=[])
+    add_plugin_flag(parser.add_argument)
     plugins, rest = parser.parse_known_args(argv)
     if os.getcwd() not in sys.path:  # run by path from elsewhere, python puts only its folder
         sys.path.insert(1, os.getcwd())
-    for module in plugins.plugin:
+    for module in plugins.plugin or []:
         if module.endswith(".py"):
             name = module[:-3].replace("/", ".")
             raise SystemExit(f"error: --plugin takes a module name, not a file: --plugin {name}")
@@ -3198,7 +3172,7 @@ def import_plugins(argv: list[str]) -> tuple[list[str], list[str]]:
         except ModuleNotFoundError as error:
             raise SystemExit(f"error: cannot import plug-in {module!r}: {error} (is its folder "
                              "the current one, or on PYTHONPATH?)") from None
-    return plugins.plugin, rest
+    return plugins.plugin or [], rest
 
 
 def import_sac_example() -> None:
@@ -3210,11 +3184,12 @@ def import_sac_example() -> None:
         spec.loader.exec_module(module)
 
 
-def main(argv: list[str] | None = None, background: bool = False):
+def main(argv: list[str] | None = None,
+         background: bool = False,  # [notebook] start()'s: a Serving, once the run serves
+         ):
     """The command line: the server, env-client or report. main() reads sys.argv and exits
     with the status; main([...]) returns it, as pytest.main does (in a notebook cell too), and
-    leaves the caller's torch thread count and global RNG states (torch, numpy) as they were.
-    background: start()'s, a Serving once the run serves (its end puts the RNG states back)."""
+    leaves the caller's torch thread count and global RNG states (torch, numpy) as they were."""
     words = list(sys.argv[1:] if argv is None else argv)
     threads, rng = torch.get_num_threads(), (torch.get_rng_state(), np.random.get_state())
 
@@ -3226,10 +3201,14 @@ def main(argv: list[str] | None = None, background: bool = False):
         commands = {"env-client": env_client_main}
         commands["report"] = report_main  # [report]
         command = commands.get(words[0] if words else "")
-        if command is None:  # only the server serves sac
-            import_sac_example()
-        status = (server_main(words, plugins, background, argv is None, put_back_rng)
-                  if command is None else command(words[1:]))
+        if command is not None:
+            status = command(words[1:])
+        else:
+            import_sac_example()  # only the server serves sac
+            status = server_main(words, plugins,
+                                 background=background,  # [notebook]
+                                 at_end=put_back_rng,  # [notebook] a background run's end
+                                 command_line=argv is None)
     except RegistrationError as error:
         status = _usage_error(error)
     except SystemExit as stop:  # argparse's --help and usage errors, a one-line error
@@ -3239,7 +3218,7 @@ def main(argv: list[str] | None = None, background: bool = False):
     if argv is None:
         sys.exit(status)
     torch.set_num_threads(threads)  # the server's thread count was set in this thread
-    if isinstance(status, int):  # a run in the background puts them back as it ends
+    if isinstance(status, int):  # a run in the background puts them back as it ends (at_end)
         put_back_rng()
     return status
 
