@@ -63,10 +63,13 @@ SOURCE = os.path.join(HERE, "plugrl_min.py")
 # Marks: the handout checks and the benchmarks, skipped unless asked for; the quick contract check
 # =============================================================================================
 
-# The project's own checks of README.md against the code, which CI runs and a student's edit need not pass:
+# The project's own checks of README.md against the code, and of plugrl_min.py's layout against README.md's
+# reading map (its line numbers, the first reading's banner, function sizes, optional blocks), which CI runs and
+# a student's edit of plugrl_min.py need not pass. Each has `handout` in its name, so -k handout selects them:
 # PLUGRL_CHECK_HANDOUT=1 python -m pytest -q test_plugrl_min.py -k handout
 handout = pytest.mark.skipif(os.environ.get("PLUGRL_CHECK_HANDOUT") != "1",
-                             reason="the project's own check of README.md (CI runs it): PLUGRL_CHECK_HANDOUT=1")
+                             reason="the project's own check of README.md and the file's layout (CI runs it): "
+                                    "PLUGRL_CHECK_HANDOUT=1")
 
 # The benchmarks (the last section), opt-in: they print tables and take minutes.
 bench = pytest.mark.skipif(os.environ.get("PLUGRL_BENCH") != "1",
@@ -6960,11 +6963,13 @@ def defined_in(lines: list[str], name: str) -> int:
     return found
 
 
-def test_the_first_reading_ends_at_its_banner_by_line_750():
+@handout
+def test_handout_the_first_reading_ends_at_its_banner_by_line_750():
     assert banner_line() <= 750
 
 
-def test_the_readmes_first_reading_names_its_sections_in_order_and_only_what_stands_above_the_banner():
+@handout
+def test_handout_the_readmes_first_reading_names_its_sections_in_order_and_only_what_stands_above_the_banner():
     lines = source_lines()
     table = first_reading_table()
     assert [section.split(".")[0] for section, _ in table[1:]] == ["1", "2", "3", "4", "5", "6"]
@@ -6976,7 +6981,8 @@ def test_the_readmes_first_reading_names_its_sections_in_order_and_only_what_sta
             assert start < defined_in(lines, name) < banner_line(), f"{name} ({section})"
 
 
-def test_the_readme_second_readings_rows_come_in_file_order():
+@handout
+def test_handout_the_readme_second_readings_rows_come_in_file_order():
     rows = map_rows_in_file()
     assert [start for start, *_ in rows] == sorted(start for start, *_ in rows)
     assert all((read == "optional") == what.startswith("[") for _, _, what, read in rows)
@@ -7006,8 +7012,9 @@ FIVE_QUESTIONS = {
 }
 
 
+@handout
 @pytest.mark.parametrize("question", FIVE_QUESTIONS)
-def test_the_first_reading_answers_each_of_the_five_questions(question):
+def test_handout_the_first_reading_answers_each_of_the_five_questions(question):
     for name in FIVE_QUESTIONS[question]:
         if name == "BaseAlgorithm.on_policy":  # an attribute: the line that sets it
             line = next(i for i, text in enumerate(open(SOURCE), 1) if text.startswith("    on_policy: bool"))
@@ -7018,7 +7025,8 @@ def test_the_first_reading_answers_each_of_the_five_questions(question):
 
 # --- The file's shape: functions that read in one sitting, optional blocks a copy can cut ---------
 
-def test_no_function_is_longer_than_60_lines_and_no_class_than_250():
+@handout
+def test_handout_no_function_is_longer_than_60_lines_and_no_class_than_250():
     too_long = [f"{node.name} (line {node.lineno}): {node.end_lineno - node.lineno + 1} lines"
                 for node in ast.walk(ast.parse(open(SOURCE).read()))
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
@@ -7073,8 +7081,9 @@ def global_names_by_line(source: str) -> dict[int, set[str]]:
     return used
 
 
+@handout
 @pytest.mark.parametrize("feature", OPTIONAL_BLOCKS)
-def test_each_line_that_names_an_optional_blocks_code_is_marked_and_the_core_calls_it_in_3_places_at_most(feature):
+def test_handout_each_line_that_names_an_optional_blocks_code_is_marked_and_the_core_calls_it_in_3_places_at_most(feature):
     lines = source_lines()
     block, marked = optional_block(lines, feature)
     defined = names_defined_in("\n".join(lines[block.start:block.stop]))
@@ -7084,8 +7093,9 @@ def test_each_line_that_names_an_optional_blocks_code_is_marked_and_the_core_cal
     assert len(places) <= 3, [lines[i] for i in places]
 
 
+@handout
 @pytest.mark.parametrize("feature", OPTIONAL_BLOCKS)
-def test_a_copy_without_an_optional_block_and_its_marked_lines_still_serves_learns_and_saves(feature, tmp_path):
+def test_handout_a_copy_without_an_optional_block_and_its_marked_lines_still_serves_learns_and_saves(feature, tmp_path):
     lines = source_lines()
     block, marked = optional_block(lines, feature)
     kept = [line for i, line in enumerate(lines) if i not in block and i not in marked]
