@@ -632,8 +632,6 @@ def feedback_message(env_ids=(0,), tag=7.0, terminated=False) -> dict:
 
 
 MISSING = object()  # a field left out of the message
-
-
 N = 2  # environments in every message below
 
 
@@ -1845,7 +1843,6 @@ class Listed(BaseAlgorithm):
     def learn_impl(self):
         return self.global_step, {}
 '''
-
 
 CONFIG_ONLY_PLUGIN = '''
 import dataclasses
@@ -4003,14 +4000,8 @@ def _(rng):
 
 
 EXPECTED = collections.defaultdict(lambda: "error, close 1008", {"oversized frame": "no error, close 1009"})
-
-
 FUZZ_PER_KIND = 80  # 27 kinds: 2,160 malformed frames
-
-
 FUZZ_MAX_BYTES = 256 * 1024
-
-
 FUZZ_BATCH = 60  # bad connections open at once
 
 
@@ -4765,8 +4756,6 @@ def test_counting_ignores_the_action():
 
 
 FIRST_DECISION = {"sum": [3.0], "mean": [1.0], "last": [1.0], "stack": [[1.0, 1.0, 1.0]]}
-
-
 SECOND_DECISION = {"sum": [1.0], "mean": [1.0], "last": [1.0], "stack": [[1.0, 0.0]]}
 
 
@@ -5922,10 +5911,7 @@ class RecordedPG(PG):
         return super().create_ddp_checkpoint()
 '''
 
-
 STOPPED_AFTER_LEARNS = 12
-
-
 TWO_RANK_STEPS = 32 * 1024  # pg's default batches; seed 1 is past -2 by 20,000 frames
 
 
@@ -6523,8 +6509,6 @@ CALLERS_STATE = """
 import numpy as np, torch
 torch.set_num_threads(3); torch.manual_seed(123); np.random.seed(456)  # the notebook's own
 """
-
-
 CALLERS_STATE_AFTER = """
 drawn = (torch.rand(3), np.random.rand(3))
 torch.manual_seed(123); np.random.seed(456)
@@ -6725,8 +6709,6 @@ class Broken(DummyAlgorithm):
     def __init__(self, config, policy):
         raise ValueError("no weights for you")
 """
-
-
 TWICE_REGISTERED = """
 from plugrl_min import PGConfig, register_algo_config
 register_algo_config("pg")(type("TwiceConfig", (PGConfig,), {}))
@@ -7157,8 +7139,6 @@ def readme_command(after: str) -> list[str]:
 
 
 QUICKSTART_OUTPUT = "The quickstart, as one run on two idle cores printed it"
-
-
 QUICKSTART_LINE = "A line of the quickstart's `metrics.jsonl`"
 
 
@@ -7577,7 +7557,6 @@ class Stuck(DummyAlgorithm):
         return self.global_step, {}
 '''
 
-
 EXERCISE_P_CONTROLLER = '''
 import numpy as np
 import plugrl_min
@@ -7603,7 +7582,6 @@ def make_controller(name, env):  # --controller p5 (kp = 5), p2.5 ...
 
 plugrl_min.make_controller = make_controller
 '''
-
 
 EXERCISE_CHASE = '''
 import numpy as np
@@ -7634,7 +7612,6 @@ class MyChase(VecEnv):
         state = np.stack([self.x, self.target, self.target - self.x], axis=1)
         return {"state": state.astype(np.float32)}
 '''
-
 
 EXERCISE_DQN = '''# SPDX-License-Identifier: MIT
 """my_dqn: exercise 9's reference solution, a Double DQN on categorical-policy, registered as `dqn`.
