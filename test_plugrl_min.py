@@ -1859,7 +1859,7 @@ def test_a_uid_whose_module_is_not_imported_is_missing_from_help(tmp_path, plugi
     write_plugin(tmp_path, "plugrl_test_listed_plugin", LISTED_PLUGIN)  # importable, but nothing imports it
     status, out, err = run_main("dummy-policy", "default", "--help")
     assert status == 0, err
-    assert "dummy" in out and "plugin-listed" not in out
+    assert re.search(r"^algorithms: .*\bdummy \(default\)", out, re.M) and "plugin-listed" not in out, out
 
 
 def test_plugin_puts_its_uid_in_help(tmp_path, plugins_in_process):
@@ -2057,7 +2057,8 @@ def test_should_save_that_stays_true_writes_a_checkpoint_on_every_pass(tmp_path)
 
     async def script(port, server):
         await run_rounds(port, [1], 3)
-        await asyncio.sleep(1.2)  # idle: the server still passes twice a second
+        passes = algo.passes
+        await eventually(lambda: algo.passes >= passes + 2)  # idle: the server still passes twice a second
 
     run_server(algo, tmp_path, script)
     assert algo.learns == 0
@@ -2074,7 +2075,8 @@ def test_should_save_that_turns_false_after_create_checkpoint_writes_once(tmp_pa
 
     async def script(port, server):
         await run_rounds(port, [1], 3)
-        await asyncio.sleep(1.2)
+        passes = algo.passes
+        await eventually(lambda: algo.passes >= passes + 2)  # two idle passes, should_save asked at each
 
     run_server(algo, tmp_path, script)
     assert algo.passes >= 5
@@ -2889,8 +2891,12 @@ def test_nesting_over_the_limit_is_refused_both_ways():
         deep = [deep]
     with pytest.raises(ProtocolError, match="deep"):
         pack_message({"x": deep})
-    ok = deep[0]
-    assert unpack_message(pack_message({"x": ok}))["x"] is not None
+    ok = deep[0]  # one level less: at the limit, it round trips whole
+    decoded = unpack_message(pack_message({"x": ok}))["x"]
+    for _ in range(plugrl_min._MAX_DEPTH - 1):
+        assert isinstance(decoded, list) and len(decoded) == 1
+        decoded = decoded[0]
+    np.testing.assert_array_equal(decoded, np.zeros(1))
     header = b'{"message": {"x": %s}, "arrays": []}' % (b"[" * 70 + b"]" * 70)
     with pytest.raises(ProtocolError, match="deeper"):
         unpack_message(len(header).to_bytes(4, "little") + header)
@@ -3433,9 +3439,22 @@ def test_metrics_lines_count_every_episode_once_and_the_end_line_those_since_the
     assert lines[-1]["rollout/episodes"] > 0  # dummy-v1's episodes end within 50 steps
 
 
-def test_metrics_lines_average_the_train_values_of_the_learns_in_between(sac_run_logged_every_300):
-    with_train = [line for line in sac_run_logged_every_300.lines if "train/qf_loss" in line]
-    assert len(with_train) >= 3 and all(math.isfinite(line["train/qf_loss"]) for line in with_train)
+def test_metrics_lines_average_the_train_values_of_the_learns_in_between(tmp_path):
+    class LogsItsLearnCount(Probe):
+        learn_every = 1  # a learn after every frame: one frame comes in at a time
+
+        def learn_impl(self):
+            step, _ = super().learn_impl()
+            return step, {"train/loss": float(self.learns)}  # 1.0 at the first learn, 2.0 at the second ...
+
+    algo = LogsItsLearnCount()
+
+    async def script(port, server):
+        await run_rounds(port, [1], 6)
+        await eventually(lambda: algo.learns == 6)
+
+    run_server(algo, tmp_path, script, log_every=3)  # a line at the first learn after every 3 frames
+    assert [line["train/loss"] for line in read_metrics(tmp_path)] == [2.0, 5.0]  # means of 1, 2, 3 and 4, 5, 6
 
 
 def test_the_window_weights_each_learns_rollout_means_by_its_episodes(tmp_path):
@@ -4714,45 +4733,6 @@ def decide(executor, n, times=1):
 
 def state_of(obs):
     return obs["state"][:, 0].tolist()
-
-
-def test_counting_observation_is_physical_steps_as_float32_shape_1():
-    env = make_env("counting-v1", 2)
-    obs = env.reset()
-    assert obs["state"].dtype == np.float32 and obs["state"].shape == (2, 1)
-    assert state_of(obs) == [0.0, 0.0]
-    obs, *_ = env.step(np.zeros((2, 1)))
-    obs, *_ = env.step(np.zeros((2, 1)))
-    assert state_of(obs) == [2.0, 2.0]
-
-
-def test_counting_reward_is_one_per_physical_step():
-    env = make_env("counting-v1", 3)
-    env.reset()
-    _, reward, *_ = env.step(np.zeros((3, 1)))
-    assert reward.tolist() == [1.0, 1.0, 1.0]
-
-
-def test_counting_env_i_terminates_after_4_plus_i_steps():
-    env = make_env("counting-v1", 4)
-    env.reset()
-    first_done = [None] * 4
-    for step in range(1, 9):
-        _, _, terminated, truncated, _ = env.step(np.zeros((4, 1)), active=np.array([d is None for d in first_done]))
-        assert not truncated.any()
-        for i in range(4):
-            if terminated[i] and first_done[i] is None:
-                first_done[i] = step
-    assert first_done == [4, 5, 6, 7]
-
-
-def test_counting_ignores_the_action():
-    a, b = make_env("counting-v1", 2), make_env("counting-v1", 2)
-    a.reset(), b.reset()
-    ra = a.step(np.full((2, 1), -1.0))
-    rb = b.step(np.full((2, 1), 1.0))
-    np.testing.assert_array_equal(ra[0]["state"], rb[0]["state"])
-    np.testing.assert_array_equal(ra[1], rb[1])
 
 
 FIRST_DECISION = {"sum": [3.0], "mean": [1.0], "last": [1.0], "stack": [[1.0, 1.0, 1.0]]}
@@ -6277,6 +6257,7 @@ def report_of(runs, reach=None) -> list[str]:
 
 def test_report_gives_each_runs_last_100_episodes_as_their_true_mean(two_short_runs):
     rows = report_of(two_short_runs)[:2]
+    assert len(rows) == 2, rows  # a row per run: zip below stops at the shorter
     for mark, run, row in zip("AB", two_short_runs, rows):
         lines = read_metrics(run, None)
         episodes = sum(line["rollout/episodes"] for line in lines)
@@ -6448,6 +6429,15 @@ def threads_and_children(kernel) -> str:
                       "  if open(p).read().rsplit(')', 1)[1].split()[1] == str(os.getpid())])").strip()
 
 
+def threads_running_plugrl_min(kernel) -> str:
+    """How many of the kernel's threads, but the cell's own, have plugrl_min.py on their stack, whatever their
+    names: a client or server left behind is one of them."""
+    return kernel.run("import sys, threading, traceback\n"
+                      "print(sum(any(frame.f_code.co_filename.endswith('plugrl_min.py')"
+                      " for frame, _ in traceback.walk_stack(top))"
+                      " for ident, top in sys._current_frames().items() if ident != threading.get_ident()))").strip()
+
+
 def test_an_interrupt_in_a_notebook_stops_the_run_as_ctrl_c_and_the_kernel_lives_on(kernel, tmp_path):
     run = tmp_path / "long"
     said = kernel.run(f"print('status', plugrl_min.main({notebook_words(run, 10**9)!r}))",
@@ -6455,7 +6445,12 @@ def test_an_interrupt_in_a_notebook_stops_the_run_as_ctrl_c_and_the_kernel_lives
     assert "stopping: a final checkpoint" in said and "status 0" in said and "ERROR" not in said, said[-3000:]
     assert plugrl_min.checkpoint_paths(run) and read_metrics(run, event=None)[-1]["event"] == "end"
     assert threads_and_children(kernel) == "[] []"  # no server thread, learn thread or client left
-    time.sleep(40)  # a client left behind would give up on its server after 30 s, and end the kernel
+    # Nor a thread of another name still in plugrl_min's code: a client left behind would give up on its server
+    # after 30 s, and end the kernel.
+    deadline = time.monotonic() + 10
+    while (left := threads_running_plugrl_min(kernel)) != "0":
+        assert time.monotonic() < deadline, f"{left} threads of the kernel still run plugrl_min's code"
+        time.sleep(0.2)
     assert kernel.alive()
 
 
@@ -8202,7 +8197,8 @@ def run_layout(clients, envs, episodes, folder, floor=False) -> dict:
     results = [json.loads(path.read_text()) for path in summaries]
     steps = sum(result["env_steps"] for result in results)
     return {"rate": steps / max(result["seconds"] for result in results), "memory_mb": memory,
-            "steps_per_episode": steps / sum(result["episodes"] for result in results)}
+            "steps_per_episode": steps / sum(result["episodes"] for result in results),
+            "episodes": min(result["episodes"] for result in results), "asked": episodes}  # per client
 
 
 def layout_pair(clients, envs, seconds, folder):
@@ -8270,6 +8266,18 @@ def test_bench_throughput_against_the_protocols_floor(tmp_path):
     short += ["memory"] if ratios["memory"] > bars["memory"] else []
     short += [name for name in ratios if name.startswith("codec") and ratios[name] > bars["codec"]]
     print("all bars hold" if not short else f"short of the bar: {', '.join(short)}")
+    # The bars are printed, not asserted: the machine's load moves them. What holds on any machine: both servers
+    # served every client to the end of its episodes (a client also exits 0 when a server ends the run), and
+    # every figure is a number; each rate, memory and ratio above zero.
+    runs = {"1 x 1": (one, one_floor), "1 x 64": (b64, b64_floor), "8 x 8": (many, many_floor)}
+    for layout, pair in runs.items():
+        for server, run in zip(("full", "floor"), pair):
+            assert run["episodes"] >= run["asked"], f"{layout}, {server} server: {run['episodes']} of {run['asked']}"
+    figures = {f"{layout} {server} {key}": run[key] for layout, pair in runs.items()
+               for server, run in zip(("full", "floor"), pair) for key in ("rate", "memory_mb")}
+    figures.update({name: ratio for name, ratio in ratios.items() if name != "memory"}, torch_mb=torch_mb)
+    assert all(math.isfinite(figure) and figure > 0 for figure in figures.values()), figures
+    assert math.isfinite(ratios["memory"])  # the server's peak over bare torch's: a difference, any sign
 
 
 # --- What a client process costs: the built-in env client against the README's standalone one -----
