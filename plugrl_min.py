@@ -1600,6 +1600,7 @@ class LearnThreads:
     CPU time, say how many cores the others kept busy; every second of learning, that decides."""
 
     def __init__(self, fixed: int | None):
+        torch.set_num_threads(1)  # this thread's, which serves: one infers small batches fastest
         self.fixed, self.most = fixed, min(TORCH_THREADS, len(CORES) or TORCH_THREADS)
         self.count = fixed or self.most
         self.busy = self.own = self.seconds = 0.0  # summed over learns since the last decision
@@ -2994,7 +2995,6 @@ def build_algorithm(words: list[str], configs: dict, args: argparse.Namespace,
     if args.seed is not None:
         torch.manual_seed(args.seed)
         np.random.seed(args.seed)
-    torch.set_num_threads(1)  # [learn-threads] one answers small inference batches fastest
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     # LOCAL_RANK: the GPU torch.distributed.run gives this rank (0 without it).
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if cuda else "cpu")
