@@ -877,8 +877,8 @@ class ScriptedServer:
         self.feedbacks = []
 
     async def recv(self):
-        if not self.replies:
-            raise ConnectionClosed(None, None)
+        if self.left == 0:  # the connection closed after the feedbacks it was to take
+            raise websockets.ConnectionClosed(None, None)
         return self.replies.pop(0)
 
     async def send(self, frame):
@@ -888,22 +888,20 @@ class ScriptedServer:
             self.replies.append(pack_message({"message_type": "action", "env_indices": message["env_indices"],
                                               "action": np.zeros((n, 1, 1), np.float32)}))
         elif self.lose_feedback:
-            raise ConnectionClosed(None, None)
+            raise websockets.ConnectionClosed(None, None)
         else:
             self.feedbacks.append(message)
             self.left -= 1
-            if self.left == 0:
-                self.replies = []  # the next recv finds the connection closed
 
 
 def test_an_episode_that_ends_as_the_connection_is_lost_is_reported_once_and_the_next_connection_starts_fresh():
     executor = MultiAction(OneStepEpisodes(1))
     executor.reset()
     tally = {"returns": [], "env_steps": 0, "decisions": 0}
-    with pytest.raises(ConnectionClosed):  # the episode ended; its feedback never left
+    with pytest.raises(websockets.ConnectionClosed):  # the episode ended; its feedback never left
         asyncio.run(plugrl_min.run_episodes(ScriptedServer(lose_feedback=True), executor, 0, tally))
     again = ScriptedServer(lose_feedback=False)
-    with pytest.raises(ConnectionClosed):
+    with pytest.raises(websockets.ConnectionClosed):
         asyncio.run(plugrl_min.run_episodes(again, executor, 0, tally))
     episode = again.feedbacks[0]["info"]["episode"]
     assert episode["l"].tolist() == [1] and episode["r"].tolist() == [1.0]  # a new episode, not the old one again
@@ -1476,7 +1474,9 @@ def test_an_infer_for_no_environment_is_answered_without_calling_the_algorithms_
 
     async def script(port, server):
         client = await Client.connect(port)
-        empty = await client.infer([], [])
+        await client.ws.send(pack_message({"message_type": "infer", "env_indices": np.zeros(0, np.int64),
+                                           "obs": {"state": np.zeros((0, 3), np.float32)}}))
+        empty = await client.receive()
         step = await client.step([0], [1])  # the connection still works, the run too
         await eventually(lambda: len(algo.frames) == 1)
         await client.close()
