@@ -470,15 +470,6 @@ def save_checkpoint(run_dir: str, checkpoint: Checkpoint, server_counters: dict)
     return path
 
 
-def prune_checkpoints(saved: list[str], path: str) -> list[str]:
-    """After a save to path: the run's newest three checkpoints; the older ones it deletes."""
-    saved = [old for old in saved if old != path] + [path]
-    for old in saved[:-3]:
-        with naming(f"cannot remove the old checkpoint {old}"):
-            os.remove(old)
-    return saved[-3:]
-
-
 def serve(server: Server, host: str, port: int, on_listening, command_line: bool) -> int:
     """Serve in the main thread until the run ends: its exit status. SIGINT and SIGTERM call
     on_signal until the local clients are gone; then main([...]) gives back the handlers it
@@ -754,8 +745,8 @@ class DummyAlgorithm(BaseAlgorithm):
 
 # ===== The first reading ends here ==========================================================
 # Its five questions, and where it answered them: where an action comes from and what routes its
-# feedback (infer_waiting, route_feedback, on_policy); what becomes of a stale frame
-# (route_feedback, discard_feedback); when learn runs and why serving pauses (control_loop,
+# feedback (infer_waiting, route_feedback, discard_reason, on_policy); what becomes of a stale
+# frame (discard_reason, discard_feedback); when learn runs and why serving pauses (control_loop,
 # learn_once); what a checkpoint holds and when it is written (Checkpoint, control_loop, save,
 # create_checkpoint); what SIGTERM does (on_signal, request_stop, control_loop, run). The second
 # reading, section by section, in any order; the optional blocks can be cut (see the docstring).
@@ -1569,6 +1560,15 @@ def print_failure(error: Exception) -> str:
 def checkpoint_paths(run_dir: str) -> list[str]:
     """The run directory's checkpoints, oldest first (their names sort by step)."""
     return sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step_*.pt")))
+
+
+def prune_checkpoints(saved: list[str], path: str) -> list[str]:
+    """After a save to path: the run's newest three checkpoints; the older ones it deletes."""
+    saved = [old for old in saved if old != path] + [path]
+    for old in saved[:-3]:
+        with naming(f"cannot remove the old checkpoint {old}"):
+            os.remove(old)
+    return saved[-3:]
 
 
 def load_newest_checkpoint(run_dir: str) -> tuple[Checkpoint, dict]:
