@@ -1513,17 +1513,17 @@ def finish_run(server, code: int, reason: str, status: int) -> int:
 def run_status(server: Server, run) -> int:
     """asyncio.run(run), the server's run, in this thread: its exit status, or for a failure
     around it one line and 1 (a file or the port, named; else a traceback) or a usage error's 2."""
-    status = 1
-    try:  # the local clients then get 10 s in all to end (none after a stop at once)
+    status, wait = 1, 10  # the local clients then get 10 s in all to end
+    try:
         status = asyncio.run(run)
     except SystemExit as stop:  # another run claimed the run directory meanwhile: 2
         status = exit_status(stop)
     except asyncio.CancelledError:  # [notebook] stopped at once, without a final checkpoint
-        status = 130  # [notebook]
+        status, wait = 130, 0  # [notebook] and the local clients are killed at once
     except Exception as error:
         print_failure(error)
     finally:
-        reap(server.local_clients, 0 if status == 130 else 10)  # [notebook] 0 s: stopped at once
+        reap(server.local_clients, wait)
     return status
 
 

@@ -7304,7 +7304,7 @@ def test_handout_the_readme_smoke_test_prints_what_it_shows(tmp_path):
         server.proc.send_signal(signal.SIGINT)
         assert server.wait(30) == 0 and client.returncode == 0
     shown = readme_block("Terminal 1, the server")
-    stop_line = next(line for line in shown.splitlines() if line.startswith("stopping:"))
+    stop_line = next(line for line in shown.splitlines() if line.startswith("stopping"))
     assert_prints_as_shown(shown.replace(stop_line, ""), server.stdout())
     assert_prints_as_shown(stop_line, server.stderr())  # Ctrl-C's answer goes to stderr
     assert_prints_as_shown(readme_block("Terminal 2, the client"), client.stdout)
