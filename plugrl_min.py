@@ -402,7 +402,8 @@ class Server:
     async def learn_once(self) -> None:
         """pre_learn, learn() in the learn thread, post_learn; messages queue, none is answered."""
         started = time.monotonic()
-        learn = in_step(self.ranks, self.algo, self.algo.learn)  # [ranks] rank 0's data to all
+        learn = self.algo.learn
+        learn = in_step(self.ranks, self.algo, learn)  # [ranks] every rank learns rank 0's data
         learn = self.threads.around(learn)  # [learn-threads] a thread per core left idle
         self.algo.pre_learn()
         self.global_step, log = await self.loop.run_in_executor(self.learn_executor, learn)
