@@ -2840,7 +2840,7 @@ class GymEnv(VecEnv):
         self.last = {key: np.zeros((num_envs, *shape), dtype)  # each one's last observation
                      for key, (shape, dtype) in self.obs_spec.items()}
         self.gym_truncated = np.zeros(num_envs, bool)  # what step() said; _truncated reads it
-        self.max_steps = self.envs[0].spec.max_episode_steps or 10**9  # to read: it truncates
+        self.max_steps = self.envs[0].spec.max_episode_steps or 10**9  # shown; Gymnasium truncates
         super().__init__(num_envs, seed)
 
     def _reset(self, rows):
