@@ -113,9 +113,9 @@ class ReplayBuffer:
         frame += [(action_shape, action_dtype), ((2,), np.float32)]  # reward, done
         needed = capacity * sum(math.prod(shape) * np.dtype(dtype).itemsize
                                 for shape, dtype in frame)
-        if needed > available_memory():  # allocated anyway, it would fail, or fill memory midway
+        if needed > (available := available_memory()):  # allocated, it would fail or fill it midway
             raise SystemExit(f"error: sac's replay buffer needs {needed:,} bytes, more than the "
-                             "memory available: lower --algo.buffer-size")
+                             f"{available:,} available: lower --algo.buffer-size")
         # np.zeros, not np.zeros_like: untouched pages take no memory until a frame is written.
         self.obs, self.next_obs = ({key: np.zeros((capacity, *shape), dtype)
                                     for key, (shape, dtype) in obs_spec.items()} for _ in range(2))
