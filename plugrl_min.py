@@ -839,10 +839,11 @@ class PG(DDPAlgorithm):
         self.batch = {"obs": obs, "next_obs": map_arrays(np.zeros_like, obs),
                       "sample": np.zeros_like(sample), "reward": np.zeros(n, np.float32),
                       "terminated": np.zeros(n, np.float32), "successor": np.full(n, -1)}
-        inputs = sum(math.prod(shape) for shape, _ in spec.values())  # every key, flattened
+        encoder = ObsEncoder(spec)  # its own: an image through convolutions, not its raw pixels
         hidden = config.value_hidden_size
-        self.value = nn.Sequential(nn.Linear(inputs, hidden), nn.Tanh(), nn.Linear(hidden, hidden),
-                                   nn.Tanh(), nn.Linear(hidden, 1)).to(policy.device)
+        self.value = nn.Sequential(encoder, nn.Linear(encoder.features, hidden), nn.Tanh(),
+                                   nn.Linear(hidden, hidden), nn.Tanh(),
+                                   nn.Linear(hidden, 1)).to(policy.device)
         # What learn differentiates: the modules, or their DDP wrappers once activate_ddp ran.
         self.train_policy, self.train_value = policy, self.value
         self.policy_optimizer = self.value_optimizer = None  # built by init_optimizers()
@@ -914,9 +915,8 @@ class PG(DDPAlgorithm):
     # --- A second reading: GAE, the checkpoint, the hooks of several ranks (DDPAlgorithm) ---
 
     def values(self, obs: dict) -> torch.Tensor:
-        """V(obs) [B]: the value network on every observation key, flattened and joined."""
-        inputs = torch.cat([array.flatten(1).float() for array in obs.values()], dim=1)
-        return self.train_value(inputs).squeeze(-1)
+        """V(obs) [B]: the value network on every observation key, joined by its ObsEncoder."""
+        return self.train_value(obs).squeeze(-1)
 
     @torch.no_grad()
     def advantages(self, frames: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1254,13 +1254,56 @@ register_algo("pg")(PG)
 # ===== 11. Built-in policies: dummy-policy (tanh-Gaussian) and categorical-policy (choices) =====
 # PlugRL page: the dummy-policy of its smoke test, registered with register_policy(_config).
 
+def is_image(shape: tuple, dtype) -> bool:
+    """An image is uint8 [H, W, C]: ObsEncoder convolves it, and GymEnv names a lone one "image"."""
+    return len(shape) == 3 and np.dtype(dtype) == np.uint8
+
+
+def image_encoder(shape: tuple, features: int) -> nn.Sequential:
+    """[B, C, H, W] in [0, 1] -> [B, features]: two 3x3 convolutions of stride 2, a linear layer."""
+    height, width, channels = shape
+    size = 32 * math.ceil(height / 4) * math.ceil(width / 4)  # each convolution halves, rounding up
+    return nn.Sequential(nn.Conv2d(channels, 16, 3, stride=2, padding=1), nn.ReLU(),
+                         nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(size, features), nn.ReLU())
+
+
+class ObsEncoder(nn.Module):
+    """Every key of an observation joined in one feature vector [B, features], in sorted key order
+    (so the spelling of obs_spec never changes the network): a flat key flattened and cast to
+    float32, an image (uint8 [H, W, C]) scaled to [0, 1] and through convolutions of its own.
+    Without images it has no parameters: a policy's MLP on "state" alone is the MLP it was."""
+
+    def __init__(self, obs_spec: dict, image_features: int = 64):
+        super().__init__()
+        self.obs_spec = dict(sorted(obs_spec_of(obs_spec).items()))
+        self.image_keys = [key for key, spec in self.obs_spec.items() if is_image(*spec)]
+        # A list, not a ModuleDict: a key of a nested Gymnasium Dict ("outer.inner") has a dot.
+        self.images = nn.ModuleList(image_encoder(self.obs_spec[key][0], image_features)
+                                    for key in self.image_keys)
+        self.features = sum(image_features if key in self.image_keys else math.prod(shape)
+                            for key, (shape, _) in self.obs_spec.items())
+
+    def forward(self, obs: dict) -> torch.Tensor:
+        """The features [B, features] of tensors {key: [B, ...]}."""
+        encoders = dict(zip(self.image_keys, self.images))
+        parts = []
+        for key in self.obs_spec:
+            if key in encoders:
+                pixels = obs[key].permute(0, 3, 1, 2).float() / 255  # [B, C, H, W], as conv wants
+                parts.append(encoders[key](pixels))
+            else:
+                parts.append(obs[key].flatten(1).float())
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # cat would copy one
+
 
 @register_policy_config("dummy-policy")
 @dataclasses.dataclass
 class DummyPolicyConfig:
     """Sizes of dummy-policy; the defaults fit dummy-v1 and pendulum-v1 (3 numbers in, 1 out)."""
 
-    obs_dim: int = 3  # numbers in the observation's "state"
+    obs_spec: dict = dataclasses.field(  # key -> [shape, dtype] it reads (JSON on the command line)
+        default_factory=lambda: {"state": [[3], "float32"]})
     action_dim: int = 1  # numbers in one action, each in [-1, 1]
     action_horizon: int = 1  # actions per decision: a chunk of H for MultiAction
     hidden_size: int = 256  # the width of both hidden layers
@@ -1270,42 +1313,44 @@ class DummyPolicyConfig:
 
 @register_policy("dummy-policy")
 class DummyPolicy(BaseTorchPolicy):
-    """A tanh-Gaussian MLP: actions in [-1, 1]. The actor of sac (through sample()) and of pg."""
+    """A tanh-Gaussian MLP on ObsEncoder's features: actions in [-1, 1]. The actor of sac (through
+    sample()) and of pg."""
 
     def __init__(self, config: DummyPolicyConfig):
         super().__init__()
         self.config = config
         self.action_dim, self.action_horizon = config.action_dim, config.action_horizon
-        self.obs_spec = {"state": ((config.obs_dim,), "float32")}
+        self.obs_spec = obs_spec_of(config.obs_spec)
+        self.encoder = ObsEncoder(self.obs_spec)
         hidden = config.hidden_size
-        self.trunk = nn.Sequential(nn.Linear(config.obs_dim, hidden), nn.ReLU(),
+        self.trunk = nn.Sequential(nn.Linear(self.encoder.features, hidden), nn.ReLU(),
                                    nn.Linear(hidden, hidden), nn.ReLU())
         # Mean and log-std of every action of the chunk, in one matmul.
         self.head = nn.Linear(hidden, 2 * config.action_horizon * config.action_dim)
 
-    def gaussian(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gaussian(self, obs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and log-std of the Gaussian before tanh, each [B, action_horizon * action_dim]."""
-        mean, log_std = self.head(self.trunk(state)).chunk(2, dim=-1)
+        mean, log_std = self.head(self.trunk(self.encoder(obs))).chunk(2, dim=-1)
         low, high = self.config.log_std_min, self.config.log_std_max
         return mean, low + 0.5 * (high - low) * (torch.tanh(log_std) + 1)  # squashed to [low, high]
 
     def forward(self, obs: dict) -> torch.distributions.Distribution:
         """The Gaussian of the sample u; the action is tanh(u)."""
-        mean, log_std = self.gaussian(obs["state"])
+        mean, log_std = self.gaussian(obs)
         gaussian = torch.distributions.Normal(mean, log_std.exp(), validate_args=False)
         return torch.distributions.Independent(gaussian, 1, validate_args=False)
 
-    def gaussian_sample(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gaussian_sample(self, obs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """u = mean + std * noise (reparameterized) and its log-density [B], written out: the
         plain form, self(obs).rsample() and .log_prob(u), takes twice the time."""
-        mean, log_std = self.gaussian(state)
+        mean, log_std = self.gaussian(obs)
         noise = torch.randn_like(mean)
         u = mean + log_std.exp() * noise
         return u, (-0.5 * noise.pow(2) - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
 
-    def sample(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample(self, obs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """A reparameterized action in (-1, 1) and its log-probability [B] (what sac trains)."""
-        u, log_prob = self.gaussian_sample(state)
+        u, log_prob = self.gaussian_sample(obs)
         action = torch.tanh(u)
         # The density of a = tanh(u) is the density of u over |da/du| = 1 - tanh(u)^2.
         return action, log_prob - torch.log(1 - action.pow(2) + 1e-6).sum(-1)
@@ -1314,8 +1359,9 @@ class DummyPolicy(BaseTorchPolicy):
     def get_action_and_runtime_state(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
         """Sample a batch of actions; the runtime state keeps the action, u and u's log-prob."""
         # The plain form, .to(self.device), walks every module at each call.
-        state = torch.from_numpy(obs["state"]).to(self.head.weight.device)
-        u, log_prob = self.gaussian_sample(state)
+        device = self.head.weight.device
+        tensors = {key: torch.from_numpy(array).to(device) for key, array in obs.items()}
+        u, log_prob = self.gaussian_sample(tensors)
         action = torch.tanh(u).cpu().numpy().reshape(-1, self.action_horizon, self.action_dim)
         return action, {"action": action, "sample": u.cpu().numpy(),
                         "log_prob": log_prob.cpu().numpy()}
@@ -1332,34 +1378,37 @@ class DummyPolicy(BaseTorchPolicy):
 class CategoricalPolicyConfig:
     """Sizes of categorical-policy (discrete actions); the defaults fit cartpole-v1."""
 
-    obs_dim: int = 4  # numbers in the observation's "state"
+    obs_spec: dict = dataclasses.field(  # key -> [shape, dtype] it reads (JSON on the command line)
+        default_factory=lambda: {"state": [[4], "float32"]})
     num_actions: int = 2  # choices per step
     hidden_size: int = 64  # the width of both hidden layers
 
 
 @register_policy("categorical-policy")
 class CategoricalPolicy(BaseTorchPolicy):
-    """An MLP with a categorical head: one of num_actions choices per step (action_dim is 1)."""
+    """An MLP on ObsEncoder's features with a categorical head: one of num_actions choices per
+    step (action_dim is 1)."""
 
     def __init__(self, config: CategoricalPolicyConfig):
         super().__init__()
         self.action_dim, self.num_actions = 1, config.num_actions
-        self.obs_spec = {"state": ((config.obs_dim,), "float32")}
+        self.obs_spec = obs_spec_of(config.obs_spec)
+        self.encoder = ObsEncoder(self.obs_spec)
         hidden = config.hidden_size
-        self.logits = nn.Sequential(nn.Linear(config.obs_dim, hidden), nn.Tanh(),
+        self.logits = nn.Sequential(nn.Linear(self.encoder.features, hidden), nn.Tanh(),
                                     nn.Linear(hidden, hidden), nn.Tanh(),
                                     nn.Linear(hidden, config.num_actions))
 
     def forward(self, obs: dict) -> torch.distributions.Distribution:
         """One categorical over num_actions per observation."""
-        logits = self.logits(obs["state"])
+        logits = self.logits(self.encoder(obs))
         return torch.distributions.Categorical(logits=logits, validate_args=False)
 
     @torch.inference_mode()
     def get_action_and_runtime_state(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
         """Sample a batch of choices; the runtime state keeps each choice and its log-prob."""
-        state = torch.from_numpy(obs["state"]).to(self.logits[0].weight.device)  # self.device
-        categorical = self({"state": state})
+        device = self.logits[0].weight.device  # self.device walks every module
+        categorical = self({key: torch.from_numpy(array).to(device) for key, array in obs.items()})
         choice = categorical.sample()  # [n] int64
         action = choice.cpu().numpy().reshape(-1, 1, 1)  # [n, action_horizon = 1, 1]
         return action, {"action": action, "sample": choice.cpu().numpy(),
@@ -2280,7 +2329,8 @@ from websockets.asyncio.client import connect
 class VecEnv:
     """num_envs environments stepped together in numpy; every built-in environment is one. A
     subclass sets obs_spec, action_dim (or num_actions) and max_steps, and writes _reset(rows),
-    _step(action, rows) -> (reward, terminated, success) and _observe(); see register_env."""
+    _step(action, rows) -> (reward, terminated, success) and _observe(); see register_env.
+    Keyword arguments of make_env (env-kwargs) reach its constructor after num_envs and seed."""
 
     obs_spec = {"state": ((3,), "float32")}  # key -> (shape, dtype): what _observe() returns
     action_dim = 1
@@ -2309,7 +2359,7 @@ class VecEnv:
         self.episode_return[rows] += reward[rows]
         self.episode_length[rows] += 1
         self.terminated[rows] = terminated
-        self.truncated[rows] = ~terminated & (self.episode_length[rows] >= self.max_steps)
+        self.truncated[rows] = ~terminated & self._truncated(rows)
         # info["episode"]: return r, length l and success s of the episodes ending here (mask).
         done = active & (self.terminated | self.truncated)
         episode = {"r": np.where(done, self.episode_return, 0).astype(np.float32),
@@ -2317,6 +2367,10 @@ class VecEnv:
                    "mask": done}
         return (self._observe(), reward, self.terminated.copy(), self.truncated.copy(),
                 {"episode": episode})
+
+    def _truncated(self, rows) -> np.ndarray:
+        """Which of these rows just reached the time limit (a GymEnv: Gymnasium's own flag)."""
+        return self.episode_length[rows] >= self.max_steps
 
 
 @register_env("dummy-v1")
@@ -2348,14 +2402,23 @@ def action_space(action_dim: int, num_actions: int | None) -> str:
             else f"discrete, {num_actions} actions")
 
 
-def make_env(env_id: str, num_envs: int = 1, seed: int | None = None) -> VecEnv:
-    """A registered environment by id, or gym:ENV_ID for a Gymnasium one."""
-    if env_id.startswith("gym:"):  # [gym]
-        return GymEnv(env_id[4:], num_envs, seed)  # [gym]
-    if env_id not in ENVIRONMENTS:
-        raise ValueError(f"unknown environment {env_id!r}; registered: {known_envs()} (a "
-                         "plug-in adds more with register_env and --plugin)")
-    return ENVIRONMENTS[env_id](num_envs, seed)
+def make_env(env_id: str, num_envs: int = 1, seed: int | None = None,
+             kwargs: dict | None = None) -> VecEnv:
+    """A registered environment by id, or gym:ENV_ID for a Gymnasium one; kwargs go to its
+    constructor (gymnasium.make(ENV_ID, **kwargs) for gym:ENV_ID)."""
+    kwargs = kwargs or {}
+    try:
+        if env_id.startswith("gym:"):  # [gym]
+            return GymEnv(env_id[4:], num_envs, seed, kwargs)  # [gym]
+        if env_id not in ENVIRONMENTS:
+            raise ValueError(f"unknown environment {env_id!r}; registered: {known_envs()} (a "
+                             "plug-in adds more with register_env and --plugin)")
+        return ENVIRONMENTS[env_id](num_envs, seed, **kwargs)
+    except TypeError as error:  # a keyword the constructor does not take, most likely
+        if not kwargs:
+            raise
+        raise ValueError(f"environment {env_id!r} refused the keyword arguments {kwargs}: "
+                         f"{error}") from None
 
 
 def known_envs() -> str:
@@ -2715,16 +2778,19 @@ class CartPoleEnv(VecEnv):
 # plugrl_min's own: gymnasium is optional, imported when a gym:ENV_ID environment is made.
 
 class GymEnv(VecEnv):
-    """gym:ENV_ID: a Gymnasium environment with Discrete or Box actions (scaled from [-1, 1])."""
+    """gym:ENV_ID: num_envs environments as gymnasium.make(ENV_ID, **kwargs) makes them, with
+    their wrappers and time limit, stepped one after the other. Discrete or Box actions (scaled
+    from [-1, 1]); observations as gym_observation_keys maps them."""
 
-    def __init__(self, env_id, num_envs, seed=None):
+    def __init__(self, env_id, num_envs, seed=None, kwargs=None):
         try:
             import gymnasium
         except ImportError:
             raise SystemExit(f"gym:{env_id} needs gymnasium: pip install gymnasium") from None
-        made = [gymnasium.make(env_id) for _ in range(num_envs)]
-        self.envs = [env.unwrapped for env in made]  # its time limit is kept as max_steps
-        space = made[0].action_space
+        # The made environment, not env.unwrapped: its wrappers (a reward scale, a time limit)
+        # are part of the task its entry point registered.
+        self.envs = [gymnasium.make(env_id, **(kwargs or {})) for _ in range(num_envs)]
+        space = self.envs[0].action_space
         if isinstance(space, gymnasium.spaces.Discrete):
             self.num_actions, self.first_action = int(space.n), int(space.start)
         elif isinstance(space, gymnasium.spaces.Box):
@@ -2732,15 +2798,22 @@ class GymEnv(VecEnv):
         else:
             raise SystemExit(f"gym:{env_id} has a {type(space).__name__} action space; "
                              "plugrl_min runs Box and Discrete ones")
-        size = int(np.prod(made[0].observation_space.shape))
-        self.obs_spec = {"state": ((size,), "float32")}  # flattened
-        self.max_steps = made[0].spec.max_episode_steps or 10**9
-        self.last = np.zeros((num_envs, size), np.float32)  # each one's last observation
+        self.keys = gym_observation_keys(env_id, self.envs[0].observation_space)
+        # A Discrete becomes a one-hot float32 [n]: a network reads n numbers, not one index.
+        self.one_hot = {key: int(leaf.start) for key, (_, leaf) in self.keys.items()
+                        if isinstance(leaf, gymnasium.spaces.Discrete)}  # key -> its first value
+        self.obs_spec = {key: ((int(leaf.n),), "float32") if key in self.one_hot
+                         else (tuple(leaf.shape), leaf.dtype.name)  # a Box's own (float64 too)
+                         for key, (_, leaf) in self.keys.items()}
+        self.last = {key: np.zeros((num_envs, *shape), dtype)  # each one's last observation
+                     for key, (shape, dtype) in self.obs_spec.items()}
+        self.gym_truncated = np.zeros(num_envs, bool)  # what step() said; _truncated reads it
+        self.max_steps = self.envs[0].spec.max_episode_steps or 10**9  # shown; Gymnasium truncates
         super().__init__(num_envs, seed)
 
     def _reset(self, rows):
         for i in rows:  # seeded from self.rng, so --seed makes episodes repeat
-            self.last[i] = np.ravel(self.envs[i].reset(seed=int(self.rng.integers(2**31)))[0])
+            self._store(i, self.envs[i].reset(seed=int(self.rng.integers(2**31)))[0])
 
     def _step(self, action, rows):
         reward = np.zeros(len(rows))
@@ -2751,13 +2824,52 @@ class GymEnv(VecEnv):
                 act = self.low + (unit + 1) / 2 * (self.high - self.low)
             else:
                 act = int(action[j, 0]) + self.first_action
-            obs, reward[j], terminated[j], _, info = self.envs[i].step(act)
-            self.last[i] = np.ravel(obs)
+            obs, reward[j], terminated[j], self.gym_truncated[i], info = self.envs[i].step(act)
+            self._store(i, obs)
             success[j] = info.get("is_success", False)
         return reward, terminated, success
 
+    def _truncated(self, rows):
+        return self.gym_truncated[rows]
+
+    def _store(self, i, obs) -> None:
+        """Environment i's Gymnasium observation into self.last, key by key."""
+        for key, (path, _) in self.keys.items():
+            value = obs
+            for name in path:  # into a Dict, and into a Dict in it
+                value = value[name]
+            if key in self.one_hot:
+                self.last[key][i] = 0
+                self.last[key][i, int(value) - self.one_hot[key]] = 1
+            else:
+                self.last[key][i] = value
+
     def _observe(self):
-        return {"state": self.last.copy()}
+        return {key: array.copy() for key, array in self.last.items()}
+
+
+def gym_observation_keys(env_id: str, space) -> dict:
+    """key -> (path into a Gymnasium observation, its Box or Discrete space). A lone Box is the
+    key "image" if an image (uint8 [H, W, C]), else "state"; a lone Discrete is "state"; a Dict
+    gives one key per entry, a Dict in it "outer.inner". Anything else is refused in one line."""
+    from gymnasium import spaces
+    if not isinstance(space, spaces.Dict):
+        lone = isinstance(space, spaces.Box) and is_image(space.shape, space.dtype)
+        keys = {"image" if lone else "state": ((), space)}
+    else:
+        keys = {}
+        for name, entry in space.spaces.items():
+            inner = entry.spaces.items() if isinstance(entry, spaces.Dict) else [(None, entry)]
+            for inner_name, leaf in inner:
+                path = (name,) if inner_name is None else (name, inner_name)
+                keys[".".join(path)] = (path, leaf)
+    for key, (path, leaf) in keys.items():
+        if not isinstance(leaf, (spaces.Box, spaces.Discrete)):
+            where = f" (its entry {key!r})" if path else ""
+            raise SystemExit(f"gym:{env_id} has a {type(leaf).__name__} observation space"
+                             f"{where}; plugrl_min maps Box, Discrete and Dict (nested one level) "
+                             "ones: write a VecEnv that gives it as arrays and register_env it")
+    return keys
 
 
 # ===== 15. Command line: the server (POLICY VARIANT ALGO VARIANT), env-client and report =====

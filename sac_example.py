@@ -18,6 +18,7 @@ Where CleanRL's sac_continuous_action.py does each thing, the hooks do it here:
 
 import dataclasses
 import math
+import os
 import sys
 
 import numpy as np
@@ -25,8 +26,8 @@ import torch
 from torch import nn
 
 import plugrl_min
-from plugrl_min import (BaseAlgoConfig, BaseAlgorithm, Checkpoint, register_algo,
-                        register_algo_config)
+from plugrl_min import (BaseAlgoConfig, BaseAlgorithm, Checkpoint, ObsEncoder, map_arrays,
+                        put_rows, register_algo, register_algo_config)
 
 UID = "sac"  # the name on the command line: python plugrl_min.py dummy-policy default sac default
 
@@ -39,7 +40,7 @@ class SACConfig(BaseAlgoConfig):
     """SAC's hyperparameters. global_steps counts stored frames and ends the run."""
 
     global_steps: int | None = 15_000  # frames stored, then the run ends
-    buffer_size: int = 1_000_000  # frames kept; the oldest is overwritten first
+    buffer_size: int = 1_000_000  # frames kept (at most global_steps); the oldest goes first
     gamma: float = 0.99  # discount per decision
     tau: float = 0.005  # the target networks move this fraction toward the critics per update
     batch_size: int = 256  # frames per update, drawn uniformly from the buffer
@@ -64,20 +65,21 @@ class TwinQ(nn.Module):
     [2, in, out], so one torch.baddbmm computes that layer of both critics.
     """
 
-    def __init__(self, in_dim: int, hidden: int, copies: int = 2):
+    def __init__(self, in_dim: int, hidden: int, encoder: nn.Module | None = None):
         super().__init__()
         sizes = [in_dim, hidden, hidden, 1]
-        self.copies = copies
+        # An ObsEncoder, one for both critics: an image is encoded once (a flat state: no weights).
+        self.encoder = nn.Identity() if encoder is None else encoder
         # nn.Linear's initialisation, uniform(+-1/sqrt(fan_in)), as CleanRL's critics get.
         bounds = [1 / math.sqrt(n) for n in sizes[:-1]]
-        self.weights = nn.ParameterList(nn.Parameter(torch.empty(copies, i, o).uniform_(-b, b))
+        self.weights = nn.ParameterList(nn.Parameter(torch.empty(2, i, o).uniform_(-b, b))
                                         for i, o, b in zip(sizes[:-1], sizes[1:], bounds))
-        self.biases = nn.ParameterList(nn.Parameter(torch.empty(copies, 1, o).uniform_(-b, b))
+        self.biases = nn.ParameterList(nn.Parameter(torch.empty(2, 1, o).uniform_(-b, b))
                                        for o, b in zip(sizes[1:], bounds))
 
-    def forward(self, obs: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+    def forward(self, obs, action: torch.Tensor) -> torch.Tensor:
         """Q-values [2, B] of B (observation, action) pairs: row 0 is Q1, row 1 is Q2."""
-        x = torch.cat([obs.flatten(1), action], dim=-1).expand(self.copies, -1, -1)  # a view
+        x = torch.cat([self.encoder(obs).flatten(1), action], dim=-1).expand(2, -1, -1)
         *hidden, (out_weight, out_bias) = zip(self.weights, self.biases)
         for weight, bias in hidden:
             # relu_ in place (a fresh tensor, and relu's backward needs only its output);
@@ -100,38 +102,57 @@ def td_target(reward, done, next_q, next_log_prob, alpha, gamma: float) -> torch
 # --- 3. Replay buffer: numpy storage written by feedback, read as torch views by learn ------------
 
 class ReplayBuffer:
-    """A ring of (obs, action, reward, next_obs, done) frames; sample() draws a uniform batch."""
+    """A ring of (obs, action, reward, next_obs, done) frames; sample() draws a uniform batch.
+    An observation is a dict of arrays, every key kept in its dtype: an image stays uint8."""
 
-    def __init__(self, capacity: int, obs_shape: tuple, action_shape: tuple, action_dtype):
+    def __init__(self, capacity: int, obs_spec: dict, action_shape: tuple, action_dtype):
         self.capacity = capacity
         self.size = 0
         self.next = 0
-        self.obs = np.zeros((capacity, *obs_shape), np.float32)
-        self.next_obs = np.zeros((capacity, *obs_shape), np.float32)
+        frame = [((2, *shape), dtype) for shape, dtype in obs_spec.values()]  # obs, next_obs
+        frame += [(action_shape, action_dtype), ((2,), np.float32)]  # reward, done
+        needed = capacity * sum(math.prod(shape) * np.dtype(dtype).itemsize
+                                for shape, dtype in frame)
+        if needed > (available := available_memory()):  # allocated, it would fail or fill it midway
+            raise SystemExit(f"error: sac's replay buffer needs {needed:,} bytes, more than the "
+                             f"{available:,} available: lower --algo.buffer-size")
+        # np.zeros, not np.zeros_like: untouched pages take no memory until a frame is written.
+        self.obs, self.next_obs = ({key: np.zeros((capacity, *shape), dtype)
+                                    for key, (shape, dtype) in obs_spec.items()} for _ in range(2))
         self.action = np.zeros((capacity, *action_shape), action_dtype)
         self.reward = np.zeros(capacity, np.float32)
         self.done = np.zeros(capacity, np.float32)
         # torch.from_numpy shares memory: frames written in numpy are seen by learn, no copy.
-        self.tensors = [torch.from_numpy(array) for array in
+        self.tensors = [map_arrays(torch.from_numpy, arrays) for arrays in
                         (self.obs, self.action, self.reward, self.next_obs, self.done)]
 
-    def add(self, obs, action, reward: float, next_obs, done: bool) -> None:
+    def add(self, obs: dict, action, reward: float, next_obs: dict, done: bool) -> None:
         """Store one frame. Assigning copies, so read-only views from the wire are safe to pass."""
         i = self.next
-        self.obs[i] = obs
+        put_rows(self.obs, i, obs)
         self.action[i] = action
         self.reward[i] = reward
-        self.next_obs[i] = next_obs
+        put_rows(self.next_obs, i, next_obs)
         self.done[i] = done
         self.next = (i + 1) % self.capacity
         self.size = min(self.size + 1, self.capacity)
 
-    def sample(self, batch_size: int, device: torch.device) -> list[torch.Tensor]:
-        """obs [B, ...], action [B, H * action_dim], reward [B], next_obs [B, ...], done [B]."""
+    def sample(self, batch_size: int, device: torch.device) -> list:
+        """obs {key: [B, ...]}, action [B, H * action_dim], reward [B], next_obs, done [B]."""
         rows = torch.randint(self.size, (batch_size,))
-        obs, action, reward, next_obs, done = (t.index_select(0, rows).to(device)  # CPU: no copy
-                                               for t in self.tensors)
+        obs, action, reward, next_obs, done = (
+            map_arrays(lambda t: t.index_select(0, rows).to(device), tensors)  # CPU: no copy
+            for tensors in self.tensors)
         return [obs, action.flatten(1), reward, next_obs, done]
+
+
+def available_memory() -> int:
+    """Bytes new allocations can take now: Linux's MemAvailable, elsewhere all the memory."""
+    if not os.path.exists("/proc/meminfo"):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with open("/proc/meminfo") as meminfo:
+        return next(int(line.split()[1]) * 1024 for line in meminfo
+                    if line.startswith("MemAvailable:"))
 
 
 # --- 4. Algorithm: the plugrl_min hooks around CleanRL's update ---------------------------------
@@ -151,16 +172,18 @@ class SAC(BaseAlgorithm):
 
     def __init__(self, config: SACConfig, policy: plugrl_min.BaseTorchPolicy):
         super().__init__(config=config, policy=policy)
-        self.updates = 0
-        self.saved_at = 0
-        self.obs_shape = tuple(policy.obs_spec["state"][0])
+        self.updates, self.saved_at = 0, 0
+        spec = plugrl_min.obs_spec_of(policy.obs_spec)
         action = self.example_train_state(1)["action"][0]  # [H, action_dim]: one frame's action
         self.action_size = action.size  # the critic sees the whole action chunk, flattened
-        self.buffer = ReplayBuffer(config.buffer_size, self.obs_shape, action.shape, action.dtype)
-        in_dim = math.prod(self.obs_shape) + self.action_size
+        # A run never stores more than global_steps frames: a larger buffer would stay empty.
+        capacity = min(config.buffer_size, config.global_steps or config.buffer_size)
+        self.buffer = ReplayBuffer(capacity, spec, action.shape, action.dtype)
         self.device = policy.device  # --device: the networks live there, as the actor does
-        self.critic = TwinQ(in_dim, config.q_hidden_size).to(self.device)
-        self.critic_target = TwinQ(in_dim, config.q_hidden_size).to(self.device)
+        encoder = ObsEncoder(spec)  # the target gets one of its own, then the critic's weights
+        in_dim = encoder.features + self.action_size
+        self.critic = TwinQ(in_dim, config.q_hidden_size, encoder).to(self.device)
+        self.critic_target = TwinQ(in_dim, config.q_hidden_size, ObsEncoder(spec)).to(self.device)
         self.critic_target.load_state_dict(self.critic.state_dict())
         self.critic_target.requires_grad_(False)  # moved by the soft update, not by gradients
         self.target_entropy = -float(self.action_size)  # CleanRL's -prod(action_shape)
@@ -183,7 +206,8 @@ class SAC(BaseAlgorithm):
     def infer(self, obs: dict) -> tuple[np.ndarray, dict]:
         """Uniform random actions in [-1, 1] until learning_starts frames are stored, then pi."""
         if self.global_step < self.config.learning_starts:
-            shape = (len(obs["state"]), self.policy.action_horizon, self.policy.action_dim)
+            n = len(next(iter(obs.values())))  # every key has a row per environment
+            shape = (n, self.policy.action_horizon, self.policy.action_dim)
             action = (torch.rand(shape) * 2 - 1).numpy()
             return action, {"action": action}
         return self.policy.get_action_and_runtime_state(obs)
@@ -197,23 +221,19 @@ class SAC(BaseAlgorithm):
         """Record a finished episode, store the frame, count it."""
         self.record_finished_episode(info, next_terminated, next_truncated)
         # A stacked reward (one per physical step, --reward-aggregation stack) counts as its sum.
-        self.buffer.add(obs["state"], train_state["action"], float(np.sum(reward)),
-                        next_obs["state"], next_terminated)
+        self.buffer.add(obs, train_state["action"], float(np.sum(reward)), next_obs,
+                        next_terminated)
         self.global_step += 1
         return prev_node, self.global_step, {}  # a replay buffer links no frames
 
     def should_learn(self) -> bool:
         """One update per frame past learning_starts, as CleanRL; learn_impl catches up."""
-        return self.updates < self.updates_due()
-
-    def updates_due(self) -> int:
-        """The update slots the frames stored so far have earned."""
-        return max(self.global_step - self.config.learning_starts, 0)
+        return self.updates < self.global_step - self.config.learning_starts
 
     def learn_impl(self) -> tuple[int, dict]:
         """Every owed update (several when many environments fed at once); logs every log_every."""
         logged = self.updates // self.config.log_every
-        while self.updates < self.updates_due():
+        while self.should_learn():  # every update slot the stored frames have earned
             self.updates += 1
             # After --resume the buffer starts empty: the slot is used, without an update.
             if self.buffer.size >= self.config.batch_size:
