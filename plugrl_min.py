@@ -2642,7 +2642,7 @@ async def connect_to_server(args):
 
 async def run_env_client(args) -> int:
     """The env client: connect (and reconnect), run episodes, print and write the summary."""
-    env = make_env(args.env_id, args.num_envs, args.seed)
+    env = make_env(args.env_id, args.num_envs, args.seed, args.env_kwargs)
     if args.closed_loop_steps is None:
         executor = MultiAction(env, reward_aggregation=args.reward_aggregation)
     else:
@@ -2961,9 +2961,13 @@ def server_main(argv: list[str], plugins: list[str] = (),
     other ranks); --resume; the Server; once its port is taken, the run directory and the local
     clients; then serving until the run ends. Returns the exit status."""
     words, args, configs = parse_server_flags(argv)
+    known = known_environment(args, words)  # (env_id, env) or None: it sizes a built-in policy
+    if known is not None:
+        size_policy(configs["policy"], known[1], args)
     resolved = dict(zip(("policy", "policy_variant", "algorithm", "algo_variant"), words),
                     policy_config=dataclasses.asdict(configs["policy"]),
-                    algo_config=dataclasses.asdict(configs["algo"]), seed=args.seed)
+                    algo_config=dataclasses.asdict(configs["algo"]), seed=args.seed,
+                    env_kwargs=args.env_kwargs)
     algo = build_algorithm(words, configs, args, resolved)
     resume = args.run_dir if args.resume else None
     ranks = join_ranks(algo, words[2], algo.policy.device, resume)  # [ranks]
@@ -2986,7 +2990,7 @@ def server_main(argv: list[str], plugins: list[str] = (),
                     log_every=args.log_every, **counters)
     if resume is not None:  # the run's own checkpoints: pruning may delete its older ones
         server.saved = checkpoint_paths(resume)
-    local_env = choose_local_env(args, server)
+    local_env = choose_local_env(args, server, known)
 
     def on_listening(port: int) -> None:  # the port is taken: now the run writes its files
         server.run_dir = claim_run_dir(args, words, local_env, resolved)
@@ -3034,7 +3038,8 @@ def parse_server_flags(argv: list[str]) -> tuple[list[str], argparse.Namespace, 
                                       "(torch.cuda.is_available() is False): use --device cpu"))
     for prefix, config in configs.items():
         for field in dataclasses.fields(config):
-            setattr(config, field.name, getattr(args, f"{prefix}.{field.name}"))
+            if f"{prefix}.{field.name}" in vars(args):  # given: a field left out keeps its default
+                setattr(config, field.name, getattr(args, f"{prefix}.{field.name}"))
     return words, args, configs
 
 
@@ -3047,7 +3052,8 @@ def add_config_flags(parser: argparse.ArgumentParser, prefix: str, config) -> No
         default = getattr(config, field.name)
         group.add_argument(f"--{prefix}.{field.name.replace('_', '-')}", metavar="V",
                            dest=f"{prefix}.{field.name}", type=_flag_type(hints[field.name]),
-                           default=default, help=f"{comments.get(field.name, '')} "
+                           default=argparse.SUPPRESS,  # in args only if given: see size_policy
+                           help=f"{comments.get(field.name, '')} "
                            f"(default: {default})".replace("%", "%%").lstrip())
 
 
@@ -3055,6 +3061,23 @@ def add_plugin_flag(add) -> None:
     """--plugin MODULE: main() imports it before any command reads its words; listed in --help."""
     add("--plugin", metavar="MODULE", action="append", help="import MODULE first: its "
         "policies, algorithms and environments (repeatable, anywhere on the line)")
+
+
+def add_env_kwargs_flag(add) -> None:
+    """--env-kwargs JSON: keyword arguments of the environment's constructor (gymnasium.make's)."""
+    add("--env-kwargs", type=json_object, metavar="JSON", help="keyword arguments for the "
+        "environment, a JSON object: '{\"continuous\": false}' (a server's: for --local-env)")
+
+
+def json_object(text: str) -> dict:
+    """argparse's type= for --env-kwargs: a JSON object, or a one-line error."""
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, {{...}}; got {text!r}")
+    return value
 
 
 def add_token_flag(add) -> None:
@@ -3078,6 +3101,7 @@ def add_server_flags(add) -> None:
     add("--local-env", metavar="ENV_ID", help="their environment (default: the algorithm's "
         "example_env, else the first registered that fits)")
     add("--local-num-envs", type=int, default=1, metavar="M", help="environments per local client")
+    add_env_kwargs_flag(add)
     add("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="auto: cuda if any")
     add("--log-every", type=int, default=1000, metavar="F", help="a line of metrics.jsonl at "
         "the first learn once F frames (stored or discarded) were routed since the last")
@@ -3092,6 +3116,32 @@ def add_server_flags(add) -> None:
     add("--feedback-timeout", type=float, default=60.0, metavar="S", help="seconds of serving "
         "an environment may owe feedback for an action (also the ping interval)")
     add_token_flag(add)
+
+
+def known_environment(args: argparse.Namespace, words: list[str]) -> tuple[str, VecEnv] | None:
+    """The environment the server knows before it builds the policy, made once: --local-env,
+    else the algorithm's example_env; None if neither. An unknown one is a usage error."""
+    env_id = args.local_env or getattr(_ALGOS.get(words[2]), "example_env", None)
+    if env_id is None:
+        return None
+    try:
+        return env_id, make_env(env_id, kwargs=args.env_kwargs)
+    except ValueError as error:  # an unknown id, or keywords its constructor does not take
+        raise SystemExit(_usage_error(error)) from None
+
+
+def size_policy(config, env: VecEnv, args: argparse.Namespace) -> None:
+    """A built-in policy sized from the environment: its config's obs_spec, and action_dim or
+    num_actions, each unless a flag gave it. A policy config without these fields is left as it
+    is: a policy of your own states its sizes itself."""
+    continuous = env.num_actions is None
+    sizes = {"obs_spec": {key: [list(shape), dtype.name]
+                          for key, (shape, dtype) in obs_spec_of(env.obs_spec).items()},
+             "action_dim" if continuous else "num_actions":
+             env.action_dim if continuous else env.num_actions}
+    for name, value in sizes.items():
+        if hasattr(config, name) and f"policy.{name}" not in vars(args):
+            setattr(config, name, value)
 
 
 def build_algorithm(words: list[str], configs: dict, args: argparse.Namespace,
@@ -3120,9 +3170,10 @@ def build_algorithm(words: list[str], configs: dict, args: argparse.Namespace,
     return algo
 
 
-def choose_local_env(args: argparse.Namespace, server: Server) -> str | None:
+def choose_local_env(args: argparse.Namespace, server: Server, known) -> str | None:
     """--local-env, else the algorithm's example_env if it fits the policy, else the first
-    registered environment that fits (None if none does). With local clients it must fit."""
+    registered environment that fits (None if none does). With local clients it must fit
+    (known: known_environment's, made already)."""
     fits = [env_id for env_id, env in ENVIRONMENTS.items()  # in registration order
             if misfit(server.metadata, env) is None]
     local_env = args.local_env or min(fits, key=lambda env_id: env_id != server.algo.example_env,
@@ -3137,7 +3188,9 @@ def choose_local_env(args: argparse.Namespace, server: Server) -> str | None:
                 raise ValueError(f"environment {local_env!r} is defined in __main__, which the "
                                  "--local-env-clients processes cannot import: define it in a "
                                  "module and add --plugin MODULE")
-            problem = misfit(server.metadata, make_env(local_env))
+            env = known[1] if known and known[0] == local_env else make_env(
+                local_env, kwargs=args.env_kwargs)
+            problem = misfit(server.metadata, env)
             if problem is not None:
                 raise ValueError(f"the server's policy does not fit {local_env}: {problem}")
         except ValueError as error:
@@ -3181,7 +3234,8 @@ def start_local_clients(server: Server, args: argparse.Namespace, local_env: str
     how to start a client in another terminal."""
     client_args = ["env-client", local_env or "ENV_ID", "--server-port", str(port),
                    "--num-envs", str(args.local_num_envs), "--num-episodes", "0",
-                   *[flag for module in plugins for flag in ("--plugin", module)]]
+                   *[flag for module in plugins for flag in ("--plugin", module)],
+                   *(["--env-kwargs", json.dumps(args.env_kwargs)] if args.env_kwargs else [])]
     if not args.local_env_clients:
         command = f"python {os.path.basename(__file__)} {' '.join(client_args)}"
         command += " --token TOKEN" * bool(args.token)  # the secret is not printed
@@ -3244,6 +3298,7 @@ def env_client_main(argv: list[str]) -> int:
         help="stop after this many finished episodes (0: when the server ends the run)")
     add("--num-envs", type=int, default=1, help="environments stepped together")
     add("--seed", type=int, help="seeds the environments")
+    add_env_kwargs_flag(add)
     add("--summary-json", help="write the summary here as one JSON object")
     add("--connect-timeout", type=float, default=30.0, help="seconds to wait for the server")
     add_token_flag(add)

@@ -113,9 +113,10 @@ class ReplayBuffer:
         frame += [(action_shape, action_dtype), ((2,), np.float32)]  # reward, done
         needed = capacity * sum(math.prod(shape) * np.dtype(dtype).itemsize
                                 for shape, dtype in frame)
-        if needed > (available := available_memory()):  # allocated, it would fail or fill it midway
-            raise SystemExit(f"error: sac's replay buffer needs {needed:,} bytes, more than the "
-                             f"{available:,} available: lower --algo.buffer-size")
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # this machine's
+        if needed > memory:  # allocated, it would fail, or fill the memory midway through the run
+            raise SystemExit(f"error: sac's replay buffer needs {needed:,} bytes, more than this "
+                             f"machine's {memory:,}: lower --algo.buffer-size")
         # np.zeros, not np.zeros_like: untouched pages take no memory until a frame is written.
         self.obs, self.next_obs = ({key: np.zeros((capacity, *shape), dtype)
                                     for key, (shape, dtype) in obs_spec.items()} for _ in range(2))
@@ -144,15 +145,6 @@ class ReplayBuffer:
             map_arrays(lambda t: t.index_select(0, rows).to(device), tensors)  # CPU: no copy
             for tensors in self.tensors)
         return [obs, action.flatten(1), reward, next_obs, done]
-
-
-def available_memory() -> int:
-    """Bytes new allocations can take now: Linux's MemAvailable, elsewhere all the memory."""
-    if not os.path.exists("/proc/meminfo"):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    with open("/proc/meminfo") as meminfo:
-        return next(int(line.split()[1]) * 1024 for line in meminfo
-                    if line.startswith("MemAvailable:"))
 
 
 # --- 4. Algorithm: the plugrl_min hooks around CleanRL's update ---------------------------------

@@ -781,7 +781,7 @@ def _run_over_the_wire(tmp_path, steps, num_envs, episodes, mode="sum"):
             env_id="dummy-v1", server_host="127.0.0.1", server_port=listening.result(), num_episodes=episodes,
             num_envs=num_envs, seed=0, summary_json=str(summary_path), connect_timeout=10, token=None,
             closed_loop_steps=steps, controller="track", reward_aggregation=mode,
-            max_message_bytes=plugrl_min.MAX_MESSAGE_BYTES)
+            max_message_bytes=plugrl_min.MAX_MESSAGE_BYTES, env_kwargs=None)
         try:
             client_status = await asyncio.wait_for(plugrl_min.run_env_client(args), 60)
         finally:
@@ -2323,7 +2323,7 @@ class FirstComponent(nn.Module):
     """A stand-in value network: V(s) = s[0], so advantages can be worked out by hand."""
 
     def forward(self, obs):
-        return obs[:, :1]
+        return obs["state"][:, :1]
 
 
 def test_pg_bootstraps_a_truncated_segment_with_the_value_of_its_last_observation_not_a_terminated_one():
@@ -2385,8 +2385,8 @@ class KnownValue(nn.Module):
         super().__init__()
         self.zero = nn.Parameter(torch.zeros(1))
 
-    def forward(self, inputs):
-        return inputs[:, :1] + self.zero
+    def forward(self, obs):
+        return obs["state"][:, :1] + self.zero
 
 
 def pg_chain_and_a_terminated_frame(**config):
@@ -2656,7 +2656,7 @@ def test_termination_stops_bootstrapping_and_truncation_does_not():
     feed_sac(algo, next_truncated=True)
     feed_sac(algo, next_terminated=True)
     assert algo.buffer.done[:2].tolist() == [0.0, 1.0]
-    assert algo.buffer.reward[:2].tolist() == [1.5, 1.5] and algo.buffer.next_obs[1].tolist() == [1.0, 1.0, 1.0]
+    assert algo.buffer.reward[:2].tolist() == [1.5, 1.5] and algo.buffer.next_obs["state"][1].tolist() == [1.0, 1.0, 1.0]
 
 
 def test_feedback_counts_the_frame_and_records_finished_episodes():
@@ -2665,6 +2665,38 @@ def test_feedback_counts_the_frame_and_records_finished_episodes():
     assert feed_sac(algo, next_truncated=True, info={"episode": episode}) == ((-1, ""), 1, {})
     _, log = algo.build_train_info(algo.global_step, {})
     assert log["rollout/episodes"] == 1 and log["rollout/reward"] == -7.0
+
+
+# --- SAC on every key ----------------------------------------------------------------------------
+
+def image_sac(**config):
+    policy = make_policy("dummy-policy", dataclasses.replace(plugrl_min.DummyPolicyConfig(hidden_size=16),
+                                                             obs_spec=IMAGE_AND_STATE))
+    defaults = dict(global_steps=400, learning_starts=40, batch_size=16, q_hidden_size=16)
+    algo = make_algo("sac", policy, sac_example.SACConfig(**{**defaults, **config}))
+    algo.init_optimizers()
+    return algo
+
+
+def test_sacs_replay_buffer_keeps_every_key_in_its_dtype():
+    algo = image_sac()
+    obs = {key: value[0] for key, value in image_and_state_obs(1).items()}
+    algo.feedback(obs=obs, runtime_state=None, train_state={"action": np.zeros((1, 1), np.float32)},
+                  terminated=False, truncated=False, next_obs=obs, reward=1.0, info={}, next_terminated=False,
+                  next_truncated=False, prev_node=(-1, ""))
+    assert algo.buffer.obs["image"].dtype == np.uint8 and algo.buffer.obs["image"][0].max() == 255
+    assert algo.buffer.next_obs["state"].dtype == np.float32
+
+
+def test_sacs_replay_buffer_holds_no_more_frames_than_the_run_stores():
+    assert image_sac(global_steps=400, buffer_size=10**6).buffer.capacity == 400
+
+
+def test_sac_refuses_a_buffer_larger_than_the_memory_available_in_one_line_naming_the_flag():
+    status, _, err = run_main("dummy-policy", "default", "sac", "default", "--algo.buffer-size", str(10**13),
+                              "--algo.global-steps", "none", "--port", "0")
+    (line,) = err.strip().splitlines()
+    assert status == 1 and re.search(r"replay buffer needs [\d,]+ bytes", line) and "--algo.buffer-size" in line
 
 
 # --- sac_example.py: its update schedule and checkpoints ------------------------------------------
@@ -3401,7 +3433,7 @@ def test_a_plugin_environment_spelling_its_obs_spec_another_way_is_accepted_and_
     write_plugin(tmp_path, "plugrl_test_spelled", SPELLED_ENV.replace("SPEC", spec))
     monkeypatch.setenv("PYTHONPATH", subprocess_env(tmp_path)["PYTHONPATH"])  # where the local client finds it
     status, _, err = run_main("dummy-policy", "default", "dummy", "default", "--plugin", "plugrl_test_spelled",
-                              "--policy.obs-dim", "7", "--local-env-clients", "1", "--port", "0",
+                              "--policy.obs-spec", '{"state": [[7], "float32"]}', "--local-env-clients", "1", "--port", "0",
                               "--algo.global-steps", "60", "--run-dir", tmp_path / "run")  # no --local-env
     assert status == 0, err
     assert " env-client spelled-v0 " in (tmp_path / "run" / "env-client-1.log").read_text()
@@ -3435,6 +3467,75 @@ def test_categorical_policy_sends_int64_indices_n_h_1_and_keeps_its_sample_and_l
     fake = policy.fake_runtime_state(3)
     assert {key: value.shape for key, value in fake.items()} == {"action": (3, 1, 1), "sample": (3,),
                                                                  "log_prob": (3,)}
+
+
+# --- ObsEncoder and the built-in policies on every key ---------------------------------------
+
+IMAGE_AND_STATE = {"image": [[16, 16, 3], "uint8"], "state": [[2], "float32"]}
+
+
+def image_and_state_obs(n: int, column: int = 3) -> dict:
+    image = np.zeros((n, 16, 16, 3), np.uint8)
+    image[:, :, column] = 255
+    return {"image": image, "state": np.zeros((n, 2), np.float32)}
+
+
+def test_obs_encoder_joins_an_image_through_convolutions_and_a_flat_key_as_it_is():
+    encoder = plugrl_min.ObsEncoder(IMAGE_AND_STATE)
+    assert any(isinstance(module, nn.Conv2d) for module in encoder.modules())
+    obs = {key: torch.from_numpy(value) for key, value in image_and_state_obs(5).items()}
+    obs["state"] += torch.tensor([7.0, 8.0])
+    features = encoder(obs)
+    assert features.shape == (5, encoder.features) and encoder.features == 64 + 2
+    assert features[:, -2:].tolist() == [[7.0, 8.0]] * 5  # keys in sorted order: the state last, unchanged
+
+
+def test_obs_encoder_scales_uint8_pixels_to_0_1_before_its_convolutions():
+    encoder = plugrl_min.ObsEncoder(IMAGE_AND_STATE)
+    seen = []
+    first = next(module for module in encoder.modules() if isinstance(module, nn.Conv2d))
+    first.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    encoder({key: torch.from_numpy(value) for key, value in image_and_state_obs(2).items()})
+    assert seen[0].dtype == torch.float32 and seen[0].shape == (2, 3, 16, 16)  # channels first, for Conv2d
+    assert seen[0].min().item() == 0.0 and seen[0].max().item() == 1.0
+
+
+def test_obs_encoder_of_a_flat_state_has_no_parameters_and_passes_it_through():
+    encoder = plugrl_min.ObsEncoder({"state": [[3], "float32"]})
+    state = torch.randn(4, 3)
+    assert list(encoder.parameters()) == [] and encoder({"state": state}) is state
+
+
+@pytest.mark.parametrize("uid", ["dummy-policy", "categorical-policy"])
+def test_a_builtin_policy_acts_on_a_dict_observation_and_reads_its_image(uid):
+    torch.manual_seed(0)
+    config = dataclasses.replace(plugrl_min._POLICY_CONFIGS[(uid, "default")], obs_spec=IMAGE_AND_STATE)
+    policy = make_policy(uid, config)
+    assert plugrl_min.obs_spec_of(policy.obs_spec) == plugrl_min.obs_spec_of(IMAGE_AND_STATE)
+    action, runtime_state = policy.get_action_and_runtime_state(image_and_state_obs(4))
+    assert action.shape == (4, 1, 1) and runtime_state["sample"].shape[0] == 4
+    with torch.no_grad():  # another picture, another distribution: the image is read
+        left, right = (policy({key: torch.from_numpy(value) for key, value in image_and_state_obs(1, c).items()})
+                       for c in (2, 13))
+        sample = left.sample()
+        assert not torch.allclose(left.log_prob(sample), right.log_prob(sample))
+
+
+def test_the_policy_configs_obs_spec_is_a_json_flag():
+    _, _, configs = plugrl_min.parse_server_flags(["dummy-policy", "default", "pg", "default", "--policy.obs-spec",
+                                                   '{"state": [[17], "float64"]}'])
+    assert configs["policy"].obs_spec == {"state": [[17], "float64"]}
+    assert make_policy("dummy-policy", configs["policy"]).obs_spec == {"state": ((17,), "float64")}
+
+
+def test_pgs_value_network_reads_an_image_through_convolutions_of_its_own():
+    policy = make_policy("dummy-policy", dataclasses.replace(plugrl_min.DummyPolicyConfig(hidden_size=8),
+                                                             obs_spec=IMAGE_AND_STATE))
+    algo = make_algo("pg", policy, plugrl_min.PGConfig(frames_per_learn=8))
+    convolutions = [module for module in algo.value.modules() if isinstance(module, nn.Conv2d)]
+    assert convolutions and not any(module in list(policy.modules()) for module in convolutions)
+    obs = {key: torch.from_numpy(value) for key, value in image_and_state_obs(3).items()}
+    assert algo.values(obs).shape == (3,)
 
 
 # =============================================================================================
@@ -5279,9 +5380,9 @@ def test_open_and_closed_loop_share_one_inner_loop(mode):
 
 @pytest.mark.parametrize("policy, env_id, server_space, client_space", [
     (("categorical-policy", plugrl_min.CategoricalPolicyConfig()), "cartpole-v1", None, None),
-    (("dummy-policy", plugrl_min.DummyPolicyConfig(obs_dim=4)), "cartpole-v1", "continuous, action_dim 1",
+    (("dummy-policy", plugrl_min.DummyPolicyConfig(obs_spec={"state": [[4], "float32"]})), "cartpole-v1", "continuous, action_dim 1",
      "discrete, 2 actions"),
-    (("categorical-policy", plugrl_min.CategoricalPolicyConfig(obs_dim=3)), "dummy-v1", "discrete, 2 actions",
+    (("categorical-policy", plugrl_min.CategoricalPolicyConfig(obs_spec={"state": [[3], "float32"]})), "dummy-v1", "discrete, 2 actions",
      "continuous, action_dim 1"),
 ], ids=["fits", "continuous server, discrete client", "discrete server, continuous client"])
 def test_a_client_whose_action_space_differs_stops_naming_both(tmp_path, capsys, policy, env_id, server_space,
@@ -5711,6 +5812,136 @@ def test_main_in_a_plain_script_returns_the_status_twice_and_gives_the_signals_b
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("status 0") == 2 and "Ctrl-C is the script True" in result.stdout
     assert all(plugrl_min.checkpoint_paths(tmp_path / run) for run in "ab")
+
+
+# --- The built-in policies sized from the environment the server knows --------------------------
+
+WIDE_ENVS = '''
+import numpy as np
+from plugrl_min import BaseAlgoConfig, DummyAlgorithm, DummyEnv, VecEnv, register_algo, register_algo_config, register_env
+
+
+@register_env("wide-v0")
+class Wide(DummyEnv):
+    """dummy-v1's point, seen as 5 numbers and pushed by 2."""
+    obs_spec, action_dim = {"state": ((5,), "float32")}, 2
+
+    def _observe(self):
+        state = super()._observe()["state"]
+        return {"state": np.concatenate([state, state[:, :2]], axis=1)}
+
+
+@register_env("three-choices-v0")
+class ThreeChoices(VecEnv):
+    obs_spec, num_actions, max_steps = {"state": ((6,), "float32")}, 3, 10
+
+    def _reset(self, rows):
+        pass
+
+    def _step(self, action, rows):
+        return np.zeros(len(rows)), np.zeros(len(rows), bool), np.zeros(len(rows), bool)
+
+    def _observe(self):
+        return {"state": np.zeros((self.num_envs, 6), np.float32)}
+
+
+@register_algo_config("wide-example")
+class WideConfig(BaseAlgoConfig):
+    global_steps: int = 100
+
+
+@register_algo("wide-example")
+class WideExample(DummyAlgorithm):
+    example_env = "wide-v0"  # what the server sizes a built-in policy from, without --local-env
+'''
+
+
+def policy_served(monkeypatch, *words) -> plugrl_min.BaseTorchPolicy:
+    """The policy a server command would serve (Server.run replaced: nothing is served or written)."""
+    served = {}
+
+    async def run(self, host, port, on_listening=None):
+        served["policy"] = self.algo.policy
+        return 0
+
+    monkeypatch.setattr(plugrl_min.Server, "run", run)
+    status, _, err = run_main(*words)
+    assert status == 0, err
+    return served["policy"]
+
+
+def test_a_builtin_policy_takes_its_observation_and_action_sizes_from_the_local_env(
+        tmp_path, plugins_in_process, monkeypatch):
+    write_plugin(tmp_path, "plugrl_test_wide", WIDE_ENVS)
+    policy = policy_served(monkeypatch, "dummy-policy", "default", "dummy", "default", "--plugin", "plugrl_test_wide",
+                           "--local-env", "wide-v0", "--run-dir", tmp_path / "run")
+    assert policy.obs_spec == {"state": ((5,), np.float32)} and policy.action_dim == 2
+
+
+def test_the_algorithms_example_env_sizes_the_policy_when_no_local_env_is_named(tmp_path, plugins_in_process,
+                                                                                 monkeypatch):
+    write_plugin(tmp_path, "plugrl_test_wide", WIDE_ENVS)
+    policy = policy_served(monkeypatch, "dummy-policy", "default", "wide-example", "default", "--plugin",
+                           "plugrl_test_wide", "--run-dir", tmp_path / "run")
+    assert policy.obs_spec == {"state": ((5,), np.float32)} and policy.action_dim == 2
+
+
+def test_a_categorical_policy_takes_its_number_of_actions_from_a_discrete_env(tmp_path, plugins_in_process,
+                                                                             monkeypatch):
+    write_plugin(tmp_path, "plugrl_test_wide", WIDE_ENVS)
+    policy = policy_served(monkeypatch, "categorical-policy", "default", "pg", "default", "--plugin",
+                           "plugrl_test_wide", "--local-env", "three-choices-v0", "--run-dir", tmp_path / "run")
+    assert policy.obs_spec == {"state": ((6,), np.float32)} and policy.num_actions == 3
+
+
+def test_a_size_given_as_a_flag_wins_over_the_environments(tmp_path, plugins_in_process, monkeypatch):
+    write_plugin(tmp_path, "plugrl_test_wide", WIDE_ENVS)
+    policy = policy_served(monkeypatch, "dummy-policy", "default", "dummy", "default", "--plugin", "plugrl_test_wide",
+                           "--local-env", "wide-v0", "--policy.action-dim", "3", "--run-dir", tmp_path / "run")
+    assert policy.obs_spec == {"state": ((5,), np.float32)} and policy.action_dim == 3
+
+
+def test_a_policy_that_does_not_fit_its_local_env_names_the_flag_that_would_fit_it(tmp_path, plugins_in_process):
+    write_plugin(tmp_path, "plugrl_test_wide", WIDE_ENVS)
+    status, _, err = run_main("dummy-policy", "default", "dummy", "default", "--plugin", "plugrl_test_wide",
+                              "--local-env", "wide-v0", "--policy.action-dim", "3", "--local-env-clients", "1",
+                              "--run-dir", tmp_path / "run")
+    assert status == 2 and err.strip().endswith(
+        "the policy's actions are continuous, action_dim 3, this client needs continuous, action_dim 2 "
+        "(serve with --policy.action-dim 2)")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_client_whose_observation_differs_is_told_the_obs_spec_flag_that_fits_it():
+    meta = plugrl_min.metadata_of(small_policy(), plugrl_min.obs_spec_of(small_policy().obs_spec), ("d", "d"))
+    problem = plugrl_min.misfit(meta, plugrl_min.CartPoleEnv)
+    assert problem.startswith("observation 'state': the policy reads float32 [3], this environment gives float32 [4]")
+    assert problem.endswith("""--policy.obs-spec '{"state": [[4], "float32"]}')""")
+
+
+def test_a_continuous_policy_for_a_discrete_env_is_told_to_serve_categorical_policy():
+    meta = plugrl_min.metadata_of(small_policy(), {"state": ((4,), np.dtype(np.float32))}, ("d", "d"))
+    assert plugrl_min.misfit(meta, plugrl_min.CartPoleEnv).endswith(
+        "this client needs discrete, 2 actions (serve categorical-policy)")
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "{not json"])
+def test_env_kwargs_that_are_not_a_json_object_are_a_usage_error(text, capsys):
+    assert plugrl_min.main(["env-client", "dummy-v1", "--env-kwargs", text]) == 2
+    assert "--env-kwargs" in capsys.readouterr().err
+
+
+def test_the_servers_env_kwargs_reach_its_local_clients_environments(tmp_path, plugins_in_process, monkeypatch):
+    write_plugin(tmp_path, "plugrl_test_kwargs", MY_ENV.replace("def __init__(self, num_envs, seed=None):",
+                                                                "def __init__(self, num_envs, seed=None, length=20):")
+                 .replace("        self.x = np.zeros(num_envs)", "        self.x, self.max_steps = np.zeros(num_envs), length"))
+    monkeypatch.setenv("PYTHONPATH", subprocess_env(tmp_path)["PYTHONPATH"])  # where the local client finds it
+    status, _, err = run_main("dummy-policy", "default", "dummy", "default", "--plugin", "plugrl_test_kwargs",
+                              "--local-env", "my-line-v0", "--env-kwargs", '{"length": 7}', "--local-env-clients", "1",
+                              "--port", "0", "--algo.global-steps", "60", "--run-dir", tmp_path / "run")
+    assert status == 0, err
+    assert read_metrics(tmp_path / "run", event="end")[0]["rollout/length"] == 7  # a truncation after 7, not 20
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["env_kwargs"] == {"length": 7}
 
 
 # =============================================================================================
@@ -6961,6 +7192,225 @@ def test_gym_environment_without_gymnasium_says_which_package_to_install(monkeyp
         make_env("gym:Pendulum-v1", 1)
 
 
+# --- Gymnasium environments of the tests, registered once per process -------------------------
+
+def core_env_class(observation_space, observe, reward=100.0, limit=None):
+    """A Gymnasium Env class: observe(t) is the observation after t steps; reward each step; it never
+    terminates, and truncates itself after `limit` steps (None: never)."""
+    import gymnasium
+
+    class Core(gymnasium.Env):
+        action_space = gymnasium.spaces.Box(-1, 1, (1,), np.float32)
+
+        def __init__(self, reward=reward):
+            self.observation_space, self.reward, self.t = observation_space, reward, 0
+
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            self.t = 0
+            return observe(0), {}
+
+        def step(self, action):
+            self.t += 1
+            return observe(self.t), self.reward, False, limit is not None and self.t >= limit, {}
+
+    return Core
+
+
+def register_once(env_id: str, entry_point, **kwargs) -> str:
+    import gymnasium
+    if env_id not in gymnasium.registry:
+        gymnasium.register(env_id, entry_point=entry_point, **kwargs)
+    return f"gym:{env_id}"
+
+
+def state_env(**kwargs) -> str:
+    """A core of float32 [2] observations, reward 100 a step (kwarg reward=), registered as is."""
+    gymnasium_or_skip()
+    from gymnasium.spaces import Box
+    core = core_env_class(Box(-10, 10, (2,), np.float32), lambda t: np.full(2, t, np.float32))
+    return register_once("PlugrlCore-v0", core, **kwargs)
+
+
+def dict_image_env() -> str:
+    """Dict observations: a uint8 [8, 8, 3] picture ("camera") and a float32 [2] ("position")."""
+    gymnasium_or_skip()
+    from gymnasium.spaces import Box, Dict
+
+    def observe(t):
+        return {"camera": np.full((8, 8, 3), t % 256, np.uint8), "position": np.full(2, t, np.float32)}
+
+    space = Dict({"camera": Box(0, 255, (8, 8, 3), np.uint8), "position": Box(-1e3, 1e3, (2,), np.float32)})
+    # A time limit, so that episodes end and pg and sac see finished episodes.
+    return register_once("PlugrlDictImage-v0", core_env_class(space, observe, reward=-1.0), max_episode_steps=20)
+
+
+# --- gym:ID as gymnasium.make makes it ---------------------------------------------------------
+
+def test_a_registered_gym_env_whose_entry_point_wraps_its_core_reports_the_wrapped_rewards():
+    state_env()
+    import gymnasium
+
+    def scaled():  # the registered task is the core's reward over 100
+        return gymnasium.wrappers.TransformReward(gymnasium.make("PlugrlCore-v0"), lambda reward: reward / 100)
+
+    env = make_env(register_once("PlugrlScaled-v0", scaled), 2, seed=0)
+    env.reset()
+    _, reward, _, _, _ = env.step(np.zeros((2, 1), np.float32))
+    assert reward.tolist() == [1.0, 1.0]
+
+
+def test_a_gym_envs_own_time_limit_truncates_it_and_does_not_terminate_it():
+    gymnasium_or_skip()
+    from gymnasium.spaces import Box
+    # The simulator keeps its own clock: no max_episode_steps in its registration for a TimeLimit to read.
+    core = core_env_class(Box(-10, 10, (2,), np.float32), lambda t: np.zeros(2, np.float32), limit=3)
+    env = make_env(register_once("PlugrlLimited-v0", core), 1, seed=0)
+    env.reset()
+    flags = [env.step(np.zeros((1, 1), np.float32))[2:4] for _ in range(3)]
+    assert [(bool(terminated[0]), bool(truncated[0])) for terminated, truncated in flags] == [
+        (False, False), (False, False), (False, True)]
+
+
+def test_keyword_arguments_reach_gymnasium_make():
+    env = make_env(state_env(), 1, seed=0, kwargs={"reward": 7.0})
+    env.reset()
+    assert env.step(np.zeros((1, 1), np.float32))[1].tolist() == [7.0]
+
+
+def test_keyword_arguments_reach_a_registered_vecenvs_constructor(monkeypatch):
+    class Scaled(plugrl_min.DummyEnv):
+        def __init__(self, num_envs, seed=None, scale=1.0):
+            self.scale = scale
+            super().__init__(num_envs, seed)
+
+    monkeypatch.setitem(plugrl_min.ENVIRONMENTS, "plugrl-test-scaled-v0", Scaled)
+    assert make_env("plugrl-test-scaled-v0", 1, kwargs={"scale": 3.0}).scale == 3.0
+
+
+def test_a_keyword_argument_the_environment_does_not_take_is_one_line_naming_it():
+    with pytest.raises(ValueError, match=r"refused the keyword arguments \{'no_such': 1\}"):
+        make_env(state_env(), 1, kwargs={"no_such": 1})
+
+
+def test_gym_module_colon_id_imports_the_module_that_registers_the_env(tmp_path, monkeypatch):
+    gymnasium_or_skip()
+    (tmp_path / "plugrl_test_gym_module.py").write_text(
+        "import gymnasium\n"
+        "gymnasium.register('PlugrlFromModule-v0', entry_point='gymnasium.envs.classic_control:PendulumEnv',"
+        " max_episode_steps=5)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = make_env("gym:plugrl_test_gym_module:PlugrlFromModule-v0", 1, seed=0)
+    assert env.obs_spec == {"state": ((3,), "float32")} and env.max_steps == 5
+
+
+# --- observations as the environment gives them -------------------------------------------------
+
+def test_a_box_image_observation_is_the_key_image_and_stays_uint8_h_w_c():
+    gymnasium_or_skip()
+    from gymnasium.spaces import Box
+    core = core_env_class(Box(0, 255, (6, 8, 3), np.uint8), lambda t: np.full((6, 8, 3), 200 + t, np.uint8))
+    env = make_env(register_once("PlugrlImage-v0", core), 2, seed=0)
+    assert env.obs_spec == {"image": ((6, 8, 3), "uint8")}
+    image = env.reset()["image"]
+    assert image.dtype == np.uint8 and image.shape == (2, 6, 8, 3) and image.max() == 200
+
+
+def test_a_float64_box_observation_stays_float64_with_its_shape():
+    gymnasium_or_skip()
+    from gymnasium.spaces import Box
+    fine = 1 + 1e-12  # lost in float32
+
+    core = core_env_class(Box(-10, 10, (2, 2), np.float64), lambda t: np.full((2, 2), fine))
+    env = make_env(register_once("PlugrlFloat64-v0", core), 1, seed=0)
+    assert env.obs_spec == {"state": ((2, 2), "float64")}
+    state = env.reset()["state"]
+    assert state.dtype == np.float64 and state.shape == (1, 2, 2) and state[0, 0, 0] == fine
+
+
+def test_a_dict_observation_gives_one_key_per_entry_each_in_its_dtype():
+    env = make_env(dict_image_env(), 2, seed=0)
+    assert env.obs_spec == {"camera": ((8, 8, 3), "uint8"), "position": ((2,), "float32")}
+    env.reset()
+    obs = env.step(np.zeros((2, 1), np.float32))[0]
+    assert obs["camera"].dtype == np.uint8 and obs["camera"].shape == (2, 8, 8, 3) and obs["camera"].max() == 1
+    assert obs["position"].tolist() == [[1.0, 1.0], [1.0, 1.0]]
+
+
+def test_a_dict_nested_in_a_dict_is_joined_as_outer_dot_inner():
+    gymnasium_or_skip()
+    from gymnasium.spaces import Box, Dict
+    space = Dict({"arm": Dict({"angle": Box(-4, 4, (2,)), "speed": Box(-9, 9, (1,))}), "goal": Box(-9, 9, (2,))})
+
+    def observe(t):
+        return {"arm": {"angle": np.array([1, 2], np.float32), "speed": np.array([3], np.float32)},
+                "goal": np.array([4, 5], np.float32)}
+
+    env = make_env(register_once("PlugrlNested-v0", core_env_class(space, observe)), 1, seed=0)
+    obs = env.reset()
+    assert sorted(obs) == ["arm.angle", "arm.speed", "goal"]
+    assert [obs[key].tolist() for key in sorted(obs)] == [[[1, 2]], [[3]], [[4, 5]]]
+
+
+def test_a_dict_nested_two_levels_is_refused_in_one_line_naming_the_entry():
+    gymnasium_or_skip()
+    from gymnasium.spaces import Box, Dict
+    space = Dict({"a": Dict({"b": Dict({"c": Box(-1, 1, (1,))})})})
+    env_id = register_once("PlugrlDeep-v0", core_env_class(space, lambda t: space.sample()))
+    with pytest.raises(SystemExit) as stop:
+        make_env(env_id, 1)
+    (line,) = str(stop.value).splitlines()
+    assert "a Dict observation space (its entry 'a.b')" in line and "register_env" in line
+
+
+def test_a_discrete_observation_is_a_one_hot_float32():
+    gymnasium_or_skip()
+    from gymnasium.spaces import Discrete
+    core = core_env_class(Discrete(4, start=10), lambda t: 10 + (2 + t) % 4)
+    env = make_env(register_once("PlugrlDiscrete-v0", core), 1, seed=0)
+    assert env.obs_spec == {"state": ((4,), "float32")}
+    assert env.reset()["state"].tolist() == [[0, 0, 1, 0]]
+    assert env.step(np.zeros((1, 1), np.float32))[0]["state"].tolist() == [[0, 0, 0, 1]]
+
+
+def test_a_tuple_observation_is_refused_before_serving_in_one_line_naming_it():
+    gymnasium_or_skip()
+    from gymnasium.spaces import Box, Tuple
+    space = Tuple((Box(-1, 1, (1,)), Box(-1, 1, (2,))))
+    env_id = register_once("PlugrlTuple-v0", core_env_class(space, lambda t: space.sample()))
+    with pytest.raises(SystemExit) as stop:
+        make_env(env_id, 1)
+    (line,) = str(stop.value).splitlines()
+    assert line.startswith("gym:PlugrlTuple-v0 has a Tuple observation space;")
+    assert "write a VecEnv" in line and "register_env" in line
+
+
+# --- pg and sac over the wire on a Dict observation with an image --------------------------------
+
+@pytest.mark.parametrize("uid", ["pg", "sac"])
+def test_pg_and_sac_train_over_the_wire_on_a_dict_observation_with_an_image(tmp_path, uid):
+    env_id = dict_image_env()
+    spec = {"camera": [[8, 8, 3], "uint8"], "position": [[2], "float32"]}
+    policy = make_policy("dummy-policy", dataclasses.replace(plugrl_min.DummyPolicyConfig(hidden_size=16),
+                                                             obs_spec=spec))
+    config = (plugrl_min.PGConfig(global_steps=320, frames_per_learn=64) if uid == "pg" else
+              sac_example.SACConfig(global_steps=320, learning_starts=64, batch_size=16, q_hidden_size=16))
+    algo = make_algo(uid, policy, config)
+    algo.init_optimizers()
+
+    async def script(port, server):
+        return await env_client_in_process(env_id, "--server-port", port, "--num-envs", "4", "--num-episodes", "0",
+                                           "--seed", "1")
+
+    threads = torch.get_num_threads()
+    try:
+        assert run_server(algo, tmp_path / "run", script, learn_threads=1) == (0, 0)
+    finally:
+        torch.set_num_threads(threads)
+    end = read_metrics(tmp_path / "run", event="end")[0]
+    assert end["step"] == 320 and sum(line["rollout/episodes"] for line in read_metrics(tmp_path / "run", None)) > 0
+
+
 # =============================================================================================
 # README.md: the reading map, the file's shape, every command it shows, its tables and its client
 # =============================================================================================
@@ -8080,7 +8530,7 @@ def test_every_exercise_check_parses_as_the_bench_reads_it_and_holds_for_the_see
 
 def test_the_benchmarks_are_skipped_unless_plugrl_bench_is_1():
     benchmarks = {name: test for name, test in globals().items() if name.startswith("test_bench_")}
-    assert len(benchmarks) == 9
+    assert len(benchmarks) == 11
     for name, test in benchmarks.items():  # each carries the one skipif mark, and no other
         assert [mark for mark in getattr(test, "pytestmark", []) if mark.name.startswith("skip")] == [bench.mark], name
     (skipped,) = bench.mark.args  # pytest skips them when it is true; it was worked out as this file was imported
@@ -8229,7 +8679,8 @@ obs, returns, start = env.reset(), [], time.perf_counter()
 for _ in range(steps):
     action, _ = agent.infer(obs)  # uniform random before learning_starts, then the actor
     next_obs, reward, terminated, truncated, info = env.step(action[:, 0])
-    agent.buffer.add(obs["state"][0], action[0], float(reward[0]), next_obs["state"][0], bool(terminated[0]))
+    agent.buffer.add({"state": obs["state"][0]}, action[0], float(reward[0]), {"state": next_obs["state"][0]},
+                     bool(terminated[0]))
     agent.global_step += 1
     if agent.global_step > agent.config.learning_starts:
         agent.updates += 1
@@ -8403,6 +8854,155 @@ def test_bench_throughput_against_the_protocols_floor(tmp_path):
     figures.update({name: ratio for name, ratio in ratios.items() if name != "memory"}, torch_mb=torch_mb)
     assert all(math.isfinite(figure) and figure > 0 for figure in figures.values()), figures
     assert math.isfinite(ratios["memory"])  # the server's peak over bare torch's: a difference, any sign
+
+
+# --- Camera and HalfCheetah: the built-in policies on images, SAC on MuJoCo beside CleanRL's own script --
+
+def readme_camera_module() -> str:
+    """README's my_camera.py (section "Your own environment"), plus a twin whose picture is blank."""
+    with open(os.path.join(HERE, "README.md")) as file:
+        readme = file.read()
+    source = re.search(r"```python\n(# my_camera\.py.*?)```", readme, re.S).group(1)
+    return source + '''
+
+@register_env("camera-blind-v0")
+class BlindCamera(Camera):
+    """camera-v0 with a blank picture: what a policy blind to the image can score."""
+
+    def _observe(self):
+        obs = super()._observe()
+        obs["image"][:] = 0
+        return obs
+'''
+
+
+def camera_run(tmp_path, algo: str, env_id: str, steps: int, seed: int, *flags) -> dict:
+    run_dir = tmp_path / f"{algo}-{env_id}-{seed}"
+    start = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "plugrl_min.py", "dummy-policy", "default", algo, "default", "--plugin", "plugrl_bench_camera",
+         "--local-env", env_id, "--local-env-clients", "1",  # dummy-policy sized from the camera
+         "--algo.global-steps", str(steps), "--seed", str(seed), "--learn-threads", "1", "--run-dir", str(run_dir),
+         *flags], cwd=HERE, capture_output=True, text=True, timeout=3600,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])})
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in read_metrics(run_dir, None) if line["rollout/episodes"] > 0]
+    report = subprocess.run([sys.executable, "plugrl_min.py", "report", str(run_dir)], cwd=HERE, capture_output=True,
+                            text=True, timeout=120).stdout.splitlines()[0]
+    last = float(re.search(r"last \d+\+ episodes (-?[\d.,]+)", report).group(1).replace(",", ""))
+    return {"first": lines[0]["rollout/reward"], "last": last, "seconds": time.perf_counter() - start,
+            "report": report}
+
+
+@bench
+def test_bench_the_camera_task_is_learned_from_the_picture_by_pg_and_sac_with_dummy_policy(tmp_path):
+    (tmp_path / "plugrl_bench_camera.py").write_text(readme_camera_module())
+    # SAC's updates with convolutions cost ~50 ms each on a shared 2-core CPU: a shorter run, learning sooner.
+    runs = [("pg", 100_000, ["--local-num-envs", "16"]), ("sac", 10_000, ["--algo.learning-starts", "1000"])]
+    rows = {}
+    for algo, steps, flags in runs:
+        for env_id in ("camera-v0", "camera-blind-v0"):
+            rows[algo, env_id] = run = camera_run(tmp_path, algo, env_id, steps, 1, *flags)
+            print(f"{algo} {env_id:16s} {steps:>7,} steps: first learn's mean return {run['first']:7.2f} | "
+                  f"last 100+ episodes {run['last']:7.2f} | {run['seconds']:6.1f} s | {run['report']}", flush=True)
+    for algo, _, _ in runs:
+        seeing, blind = rows[algo, "camera-v0"], rows[algo, "camera-blind-v0"]
+        print(f"summary {algo}: seeing {seeing['first']:.2f} -> {seeing['last']:.2f}; blind to the picture "
+              f"{blind['last']:.2f}", flush=True)
+        assert seeing["last"] > blind["last"] + 1.0
+
+
+# --- SAC on HalfCheetah, plugrl_min over the wire beside CleanRL's sac_continuous_action.py -----
+
+def cleanrl_checkout() -> str | None:
+    """A checkout of CleanRL (github.com/vwxyzjn/cleanrl, a clone or a bare mirror) named by $CLEANRL_DIR;
+    None without one."""
+    folder = os.environ.get("CLEANRL_DIR")
+    return folder if folder and os.path.isdir(folder) else None
+
+
+def cleanrl_script(folder: str, work: str) -> str:
+    """cleanrl/ and cleanrl_utils/ of the checkout laid out in work (a bare git mirror has no work tree)."""
+    if os.path.isfile(os.path.join(folder, "cleanrl", "sac_continuous_action.py")):
+        return os.path.join(folder, "cleanrl", "sac_continuous_action.py")
+    archive = subprocess.run(["git", "--git-dir", os.path.join(folder, ".git") if os.path.isdir(
+        os.path.join(folder, ".git")) else folder, "archive", "HEAD", "cleanrl/sac_continuous_action.py",
+        "cleanrl_utils"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", work], input=archive, check=True)
+    return os.path.join(work, "cleanrl", "sac_continuous_action.py")
+
+
+def cleanrl_python() -> tuple[str | None, str]:
+    """A Python that runs CleanRL's script as written (gymnasium 0.29's vector API, tyro, mujoco): $CLEANRL_PYTHON,
+    else this one if its gymnasium is 0.29; (None, why) otherwise."""
+    candidate = os.environ.get("CLEANRL_PYTHON", sys.executable)
+    probe = subprocess.run([candidate, "-c", "import gymnasium, mujoco, tyro; print(gymnasium.__version__)"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        return None, f"{candidate} cannot import gymnasium, mujoco and tyro: {probe.stderr.strip().splitlines()[-1]}"
+    if not probe.stdout.strip().startswith("0.29"):
+        return None, (f"{candidate} has gymnasium {probe.stdout.strip()}; CleanRL's script reads gymnasium 0.29's "
+                      "final_info/final_observation: set CLEANRL_PYTHON to a Python with gymnasium[mujoco]==0.29.1")
+    return candidate, ""
+
+
+def cleanrl_seed(python: str, script: str, env_id: str, seed: int, steps: int, work: str) -> dict:
+    start = time.perf_counter()
+    result = subprocess.run([python, script, "--env-id", env_id, "--seed", str(seed), "--total-timesteps", str(steps),
+                             "--no-cuda"], cwd=work, capture_output=True, text=True, timeout=7200,
+                            env={**os.environ, "PYTHONPATH": work, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    returns = [float(value) for value in re.findall(r"episodic_return=\[?(-?[\d.e+-]+)", result.stdout)]
+    return {"seconds": time.perf_counter() - start, "returns": returns}
+
+
+def plugrl_cheetah_seed(env_id: str, seed: int, steps: int, folder, last_n: int) -> dict:
+    """One plugrl_min server with a local client on gym:ENV_ID (dummy-policy sized from it), timed; its
+    return is report's `--last N`."""
+    run_dir = folder / f"plugrl-{seed}"
+    start = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "plugrl_min.py", "dummy-policy", "default", "sac", "default", "--local-env", f"gym:{env_id}",
+         "--local-env-clients", "1", "--algo.global-steps", str(steps), "--seed", str(seed), "--learn-threads", "1",
+         "--run-dir", str(run_dir)], cwd=HERE, capture_output=True, text=True, timeout=7200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    curve = plugrl_min.return_curve(plugrl_min.read_metrics(str(run_dir)), last_n)
+    return {"seconds": time.perf_counter() - start, "last": curve[-1][1]}
+
+
+@bench
+def test_bench_sac_on_halfcheetah_over_the_wire_beside_cleanrls_own_script(tmp_path):
+    # One torch thread each (--learn-threads 1, OMP_NUM_THREADS=1): on a shared 2-core machine CleanRL's
+    # default two threads wait on each other (seed 1 ran at 8 steps/s that way).
+    pytest.importorskip("mujoco", reason='MuJoCo is not installed: pip install "gymnasium[mujoco]"')
+    env_id, steps, last_n = "HalfCheetah-v4", 15_000, 5  # v4: the version CleanRL's gymnasium 0.29 has
+    folder, python = cleanrl_checkout(), None
+    why = "no CleanRL checkout (set CLEANRL_DIR)"
+    if folder is not None:
+        python, why = cleanrl_python()
+    rows = []
+    for seed in (1, 2, 3):  # one at a time: two runs would share the cores
+        mine = plugrl_cheetah_seed(env_id, seed, steps, tmp_path, last_n)
+        row = (f"seed {seed}: plugrl_min over the wire {mine['seconds']:7.1f} s, last {last_n}+ episodes "
+               f"{mine['last']:8.1f}")
+        theirs = None
+        if python is not None:
+            work = tmp_path / f"cleanrl-{seed}"
+            work.mkdir()
+            theirs = cleanrl_seed(python, cleanrl_script(folder, str(work)), env_id, seed, steps, str(work))
+            row += (f" | CleanRL's script {theirs['seconds']:7.1f} s, last {last_n} episodes "
+                    f"{np.mean(theirs['returns'][-last_n:]):8.1f}")
+        rows.append((mine, theirs))
+        print(row + f" | load average {os.getloadavg()[0]:.1f}", flush=True)
+    mine = [m["last"] for m, _ in rows]
+    summary = f"summary ({env_id}, {steps:,} steps, 3 seeds): plugrl_min {np.mean(mine):.1f} in " \
+              f"{np.mean([m['seconds'] for m, _ in rows]):.1f} s a seed"
+    if python is not None:
+        theirs = [np.mean(t["returns"][-last_n:]) for _, t in rows]
+        summary += f"; CleanRL {np.mean(theirs):.1f} in {np.mean([t['seconds'] for _, t in rows]):.1f} s a seed"
+    else:
+        summary += f"; CleanRL's script skipped: {why}"
+    print(summary, flush=True)
 
 
 # --- What a client process costs: the built-in env client against the README's standalone one -----
