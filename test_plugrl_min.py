@@ -5951,9 +5951,13 @@ def test_the_servers_env_kwargs_reach_its_local_clients_environments(tmp_path, p
 
 @pytest.fixture
 def two_cores(monkeypatch):
-    """A machine of two cores, as LearnThreads sees it: this process's affinity and torch's count."""
+    """A machine of two cores, as LearnThreads sees it: this process's affinity and torch's count.
+    LearnThreads pins the thread that builds it to one torch thread: put the test's count back."""
     monkeypatch.setattr(plugrl_min, "CORES", [0, 1])
     monkeypatch.setattr(plugrl_min, "TORCH_THREADS", 2)
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 def decided(threads: plugrl_min.LearnThreads, busy: float, own: float, seconds: float = 1.0) -> int:
@@ -5997,12 +6001,13 @@ def pinned_to(core: int):
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat") or len(os.sched_getaffinity(0)) < 2
                     or plugrl_min.TORCH_THREADS < 2, reason="needs /proc/stat and two cores for torch")
-def test_learns_beside_a_process_that_keeps_a_core_busy_move_to_fewer_threads_and_say_so(capsys):
+def test_learns_beside_a_process_that_keeps_a_core_busy_move_to_fewer_threads_and_say_so(capsys, monkeypatch):
+    monkeypatch.setattr(torch, "set_num_threads", lambda count: None)  # this test's threads stay as they are
     threads = plugrl_min.LearnThreads(None)
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"],
                                preexec_fn=pinned_to(max(os.sched_getaffinity(0))))
     try:
-        learn = threads.around(lambda: time.sleep(0) or sum(range(200_000)))  # CPU work, one thread
+        learn = threads.around(lambda: sum(range(200_000)))  # CPU work on one thread
         deadline = time.monotonic() + 60
         while threads.count == threads.most:  # a decision every second of learning
             learn()
