@@ -278,8 +278,7 @@ class Server:
         kind, env_ids = check_message(message, self.obs_spec)
         if kind == "infer":
             check_env_cap(conn, env_ids, self.max_envs)  # one client must not hold the loop
-            # The plain form, conn.slots.setdefault(i, EnvSlot()), builds a slot at every call.
-            slots = [conn.slots.get(i) or conn.slots.setdefault(i, EnvSlot()) for i in env_ids]
+            slots = [conn.slots.setdefault(i, EnvSlot()) for i in env_ids]
             for i, slot in zip(env_ids, slots):
                 if slot.waiting or slot.step is not None:
                     owes = "waits for its last action" if slot.waiting else "owes feedback"
@@ -1001,7 +1000,7 @@ def _reject_constant(name):
     raise ValueError(f"{name} is not JSON")  # Python's json reads NaN and Infinity by default
 
 
-# Made once; the plain forms, json.dumps and json.loads, build one per message.
+# Made once; the plain forms, json.dumps and json.loads with these options, build one per message.
 _HEADER_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False, check_circular=False)
 _HEADER_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
 
@@ -1062,7 +1061,7 @@ def pack_message(message: dict) -> bytes:
 def _check_header(header: bytes) -> tuple:
     try:
         text = str(header, "utf-8")
-        body, end = _HEADER_DECODER.raw_decode(text)  # plain: json.loads (also strips spaces)
+        body, end = _HEADER_DECODER.raw_decode(text)  # json.loads would take a space before '{'
         if end != len(text):
             raise ValueError(f"{len(text) - end} characters after its end")
     except (ValueError, RecursionError) as error:  # bad UTF-8 or JSON, or an int of 4300+ digits
@@ -1358,9 +1357,7 @@ class DummyPolicy(BaseTorchPolicy):
     @torch.inference_mode()
     def get_action_and_runtime_state(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
         """Sample a batch of actions; the runtime state keeps the action, u and u's log-prob."""
-        # The plain form, .to(self.device), walks every module at each call.
-        device = self.head.weight.device
-        tensors = {key: torch.from_numpy(array).to(device) for key, array in obs.items()}
+        tensors = {key: torch.from_numpy(array).to(self.device) for key, array in obs.items()}
         u, log_prob = self.gaussian_sample(tensors)
         action = torch.tanh(u).cpu().numpy().reshape(-1, self.action_horizon, self.action_dim)
         return action, {"action": action, "sample": u.cpu().numpy(),
@@ -1407,8 +1404,8 @@ class CategoricalPolicy(BaseTorchPolicy):
     @torch.inference_mode()
     def get_action_and_runtime_state(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
         """Sample a batch of choices; the runtime state keeps each choice and its log-prob."""
-        device = self.logits[0].weight.device  # self.device walks every module
-        categorical = self({key: torch.from_numpy(array).to(device) for key, array in obs.items()})
+        tensors = {key: torch.from_numpy(array).to(self.device) for key, array in obs.items()}
+        categorical = self(tensors)
         choice = categorical.sample()  # [n] int64
         action = choice.cpu().numpy().reshape(-1, 1, 1)  # [n, action_horizon = 1, 1]
         return action, {"action": action, "sample": choice.cpu().numpy(),
@@ -1863,14 +1860,10 @@ def open_tensorboard(run_dir: str):
 
 
 def write_scalars(writer, metrics: dict, step: int) -> None:
-    """One metrics line's values at `step`, in one event (the plain form, add_scalar per value,
-    wakes the writer's thread once per value); no rollout/* point for a line without episodes."""
-    from torch.utils.tensorboard.summary import scalar
-    summary, *others = [scalar(key, value) for key, value in metrics.items()
-                        if metrics["rollout/episodes"] or not key.startswith("rollout/")]
-    for other in others:
-        summary.value.extend(other.value)
-    writer.file_writer.add_summary(summary, step)
+    """One metrics line's values at `step`; no rollout/* point for a line without episodes."""
+    for key, value in metrics.items():
+        if metrics["rollout/episodes"] or not key.startswith("rollout/"):
+            writer.add_scalar(key, value, step)
 
 
 # ===== [report] `python plugrl_min.py report RUN_DIR ...`: runs compared, and their chart =====
