@@ -543,7 +543,7 @@ class BaseTorchPolicy(nn.Module):
     action_dim: int
     action_horizon: int = 1
     num_actions: int | None = None  # None: continuous actions
-    obs_spec: dict  # observation key -> (shape without the batch axis, dtype name)
+    obs_spec: dict  # observation key -> (shape without the batch axis, dtype)
 
     def get_action_and_runtime_state(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
         """Actions for a batch of observations, and the runtime state of how they were drawn."""
@@ -1135,6 +1135,11 @@ def obs_spec_of(spec: dict) -> dict:
             for key, (shape, dtype) in spec.items()}
 
 
+def obs_spec_as_json(spec: dict) -> dict:
+    """An obs_spec as --policy.obs-spec and config.json spell it: key -> [[3], "float32"]."""
+    return {key: [list(shape), dtype.name] for key, (shape, dtype) in obs_spec_of(spec).items()}
+
+
 def map_arrays(function, tree):
     """function(array) for every array of a nested dict (or a lone array); None stays None."""
     if isinstance(tree, dict):
@@ -1292,7 +1297,7 @@ class ObsEncoder(nn.Module):
                 pixels = obs[key].permute(0, 3, 1, 2).float() / 255  # [B, C, H, W], as conv wants
                 parts.append(encoders[key](pixels))
             else:
-                parts.append(obs[key].flatten(1).float())
+                parts.append(obs[key].reshape(len(obs[key]), -1).float())  # a shape () too
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # cat would copy one
 
 
@@ -1491,6 +1496,7 @@ class RunRecord:
         """One line of metrics.jsonl (and TensorBoard) for the frames since the last line: the
         mean of every value learn and feedback returned, rollout/* over the episodes that ended."""
         elapsed = time.perf_counter() - self.started  # of this process: its fps
+        counters = self.run_counters(server)  # the run's, counting on after --resume
         means = {key: total / weight for key, (total, weight) in self.window.items()}
         rollout = {key: means.pop(key, 0.0)  # 0 when no episode ended
                    for key in ("rollout/reward", "rollout/length", "rollout/success")}
@@ -1498,12 +1504,11 @@ class RunRecord:
         discarded = server.discarded - self.discarded_at
         metrics = {**means, **rollout, "rollout/episodes": self.window_episodes,
                    "server/fed": frames - discarded, "server/discarded": discarded,
-                   "server/frames": self.frames_before + server.frames,
+                   "server/frames": counters["frames"],
                    "server/policy_version": server.version,
                    "server/fps": server.frames / elapsed,
                    "server/mean_batch_size": self.inferred_envs / max(self.infer_calls, 1)}
-        run_seconds = round(self.seconds_before + elapsed, 3)  # counting on after --resume
-        line = {"event": event, "step": server.global_step, "time": run_seconds, **metrics}
+        line = {"event": event, "step": server.global_step, "time": counters["seconds"], **metrics}
         with naming(f"cannot write {self.metrics_file.name}"):
             self.metrics_file.write(f"{json.dumps(line)}\n".encode())
         if self.tensorboard is not None:  # [tensorboard]
@@ -2589,7 +2594,7 @@ def misfit(meta: dict, env, decision_dim: int | None = None) -> str | None:
         key = min(key for key in reads.keys() | gives.keys() if reads.get(key) != gives.get(key))
         read, given = (f"{spec[key][1].name} {list(spec[key][0])}" if key in spec else "nothing"
                        for spec in (reads, gives))
-        fits = json.dumps({key: [list(shape), dtype.name] for key, (shape, dtype) in gives.items()})
+        fits = json.dumps(obs_spec_as_json(env.obs_spec))
         return (f"observation {key!r}: the policy reads {read}, this environment gives {given} "
                 f"(serve with --local-env to size the policy from it, or --policy.obs-spec "
                 f"'{fits}')")
@@ -2782,7 +2787,10 @@ class GymEnv(VecEnv):
             raise SystemExit(f"gym:{env_id} needs gymnasium: pip install gymnasium") from None
         # The made environment, not env.unwrapped: its wrappers (a reward scale, a time limit)
         # are part of the task its entry point registered.
-        self.envs = [gymnasium.make(env_id, **(kwargs or {})) for _ in range(num_envs)]
+        try:
+            self.envs = [gymnasium.make(env_id, **(kwargs or {})) for _ in range(num_envs)]
+        except gymnasium.error.Error as error:  # an unknown id, a missing extra: one line
+            raise ValueError(f"gym:{env_id}: {error}") from None
         space = self.envs[0].action_space
         if isinstance(space, gymnasium.spaces.Discrete):
             self.num_actions, self.first_action = int(space.n), int(space.start)
@@ -2801,7 +2809,7 @@ class GymEnv(VecEnv):
         self.last = {key: np.zeros((num_envs, *shape), dtype)  # each one's last observation
                      for key, (shape, dtype) in self.obs_spec.items()}
         self.gym_truncated = np.zeros(num_envs, bool)  # what step() said; _truncated reads it
-        self.max_steps = self.envs[0].spec.max_episode_steps or 10**9  # shown; Gymnasium truncates
+        self.max_steps = self.envs[0].spec.max_episode_steps or 10**9  # Gymnasium's flag truncates
         super().__init__(num_envs, seed)
 
     def _reset(self, rows):
@@ -2878,7 +2886,8 @@ CONFIG = "config.json"  # a run directory's first file, created exclusively: it 
 
 
 def _flag_type(hint):
-    """argparse's type= for a config field of type int, float, str or bool, each maybe | None."""
+    """argparse's type= for a config field of type int, float, str, bool or dict (a JSON object),
+    each maybe | None."""
     base = next((arg for arg in typing.get_args(hint) if arg is not type(None)), hint)
 
     def convert(text):
@@ -2888,7 +2897,7 @@ def _flag_type(hint):
             if text.lower() not in ("true", "false", "1", "0"):
                 raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
             return text.lower() in ("true", "1")
-        return base(text) if base in (int, float, str) else json.loads(text)
+        return base(text) if base in (int, float, str) else json_object(text)
 
     convert.__name__ = getattr(base, "__name__", "value")  # argparse: "invalid int value: 'x'"
     return convert
@@ -3043,6 +3052,8 @@ def add_config_flags(parser: argparse.ArgumentParser, prefix: str, config) -> No
     group = parser.add_argument_group(f"--{prefix}.* ({type(config).__name__})")
     for field in dataclasses.fields(config):
         default = getattr(config, field.name)
+        if prefix == "policy" and field.name in SIZED_FROM_ENV:
+            default = f"the environment's, from --local-env or example_env; else {default}"
         group.add_argument(f"--{prefix}.{field.name.replace('_', '-')}", metavar="V",
                            dest=f"{prefix}.{field.name}", type=_flag_type(hints[field.name]),
                            default=argparse.SUPPRESS,  # in args only if given: see size_policy
@@ -3123,13 +3134,15 @@ def known_environment(args: argparse.Namespace, words: list[str]) -> tuple[str, 
         raise SystemExit(_usage_error(error)) from None
 
 
+SIZED_FROM_ENV = ("obs_spec", "action_dim", "num_actions")  # of a built-in policy's config
+
+
 def size_policy(config, env: VecEnv, args: argparse.Namespace) -> None:
     """A built-in policy sized from the environment: its config's obs_spec, and action_dim or
     num_actions, each unless a flag gave it. A policy config without these fields is left as it
     is: a policy of your own states its sizes itself."""
     continuous = env.num_actions is None
-    sizes = {"obs_spec": {key: [list(shape), dtype.name]
-                          for key, (shape, dtype) in obs_spec_of(env.obs_spec).items()},
+    sizes = {"obs_spec": obs_spec_as_json(env.obs_spec),
              "action_dim" if continuous else "num_actions":
              env.action_dim if continuous else env.num_actions}
     for name, value in sizes.items():

@@ -65,11 +65,11 @@ class TwinQ(nn.Module):
     [2, in, out], so one torch.baddbmm computes that layer of both critics.
     """
 
-    def __init__(self, in_dim: int, hidden: int, encoder: nn.Module | None = None):
+    def __init__(self, in_dim: int, hidden: int, encoder: nn.Module):
         super().__init__()
         sizes = [in_dim, hidden, hidden, 1]
         # An ObsEncoder, one for both critics: an image is encoded once (a flat state: no weights).
-        self.encoder = nn.Identity() if encoder is None else encoder
+        self.encoder = encoder
         # nn.Linear's initialisation, uniform(+-1/sqrt(fan_in)), as CleanRL's critics get.
         bounds = [1 / math.sqrt(n) for n in sizes[:-1]]
         self.weights = nn.ParameterList(nn.Parameter(torch.empty(2, i, o).uniform_(-b, b))
@@ -79,7 +79,7 @@ class TwinQ(nn.Module):
 
     def forward(self, obs, action: torch.Tensor) -> torch.Tensor:
         """Q-values [2, B] of B (observation, action) pairs: row 0 is Q1, row 1 is Q2."""
-        x = torch.cat([self.encoder(obs).flatten(1), action], dim=-1).expand(2, -1, -1)
+        x = torch.cat([self.encoder(obs), action], dim=-1).expand(2, -1, -1)
         *hidden, (out_weight, out_bias) = zip(self.weights, self.biases)
         for weight, bias in hidden:
             # relu_ in place (a fresh tensor, and relu's backward needs only its output);

@@ -3506,6 +3506,12 @@ def test_obs_encoder_of_a_flat_state_has_no_parameters_and_passes_it_through():
     assert list(encoder.parameters()) == [] and encoder({"state": state}) is state
 
 
+def test_obs_encoder_reads_a_key_of_shape_empty_as_one_feature_a_row():
+    encoder = plugrl_min.ObsEncoder({"speed": [[], "float32"], "state": [[2], "float32"]})
+    features = encoder({"speed": torch.tensor([1.5, 2.5]), "state": torch.zeros(2, 2)})
+    assert encoder.features == 3 and features[:, 0].tolist() == [1.5, 2.5]
+
+
 @pytest.mark.parametrize("uid", ["dummy-policy", "categorical-policy"])
 def test_a_builtin_policy_acts_on_a_dict_observation_and_reads_its_image(uid):
     torch.manual_seed(0)
@@ -5925,6 +5931,11 @@ def test_a_continuous_policy_for_a_discrete_env_is_told_to_serve_categorical_pol
         "this client needs discrete, 2 actions (serve categorical-policy)")
 
 
+def test_a_policy_obs_spec_that_is_not_a_json_object_is_a_usage_error(capsys):
+    assert plugrl_min.main(["dummy-policy", "default", "dummy", "default", "--policy.obs-spec", "3"]) == 2
+    assert "--policy.obs-spec: expected a JSON object" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("text", ["[1, 2]", "{not json"])
 def test_env_kwargs_that_are_not_a_json_object_are_a_usage_error(text, capsys):
     assert plugrl_min.main(["env-client", "dummy-v1", "--env-kwargs", text]) == 2
@@ -7189,6 +7200,15 @@ def test_gym_environment_with_another_action_space_is_refused_naming_it():
         gymnasium.register("TwoKnobs-v0", entry_point=TwoKnobs)
     with pytest.raises(SystemExit, match="has a MultiDiscrete action space; plugrl_min runs Box and Discrete"):
         make_env("gym:TwoKnobs-v0", 1)
+
+
+def test_an_unknown_gym_id_is_a_one_line_usage_error_at_the_servers_start(tmp_path):
+    gymnasium_or_skip()
+    status, _, err = run_main("dummy-policy", "default", "pg", "default", "--local-env", "gym:NoSuchTask-v0",
+                              "--local-env-clients", "1", "--run-dir", str(tmp_path / "run"))
+    (line,) = err.strip().splitlines()  # not gymnasium's traceback
+    assert status == 2 and "gym:NoSuchTask-v0" in line and "NoSuchTask" in line.split("gym:NoSuchTask-v0", 1)[1]
+    assert not (tmp_path / "run").exists()
 
 
 def test_gym_environment_without_gymnasium_says_which_package_to_install(monkeypatch):
