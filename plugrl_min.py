@@ -1646,17 +1646,15 @@ CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
 
 class LearnThreads:
     """Torch threads for each learn: --learn-threads N, or one per core that other processes
-    leave idle during learns (at most torch's own count). A learn's threads wait for each other,
-    spinning, after every operation: beside a busy process, two threads learn slower than one.
-    Around each learn, /proc/stat's busy ticks of this process's cores, less this process's own
-    CPU time, say how many cores the others kept busy; every second of learning, that decides."""
+    leave idle, at most torch's count: a learn's threads spin, waiting for each other, so beside
+    a busy process two learn slower than one. Each second of learning decides, from /proc/stat."""
 
     def __init__(self, fixed: int | None):
         torch.set_num_threads(1)  # this thread's, which serves: one infers small batches fastest
         self.fixed, self.most = fixed, min(TORCH_THREADS, len(CORES) or TORCH_THREADS)
         self.count = fixed or self.most
         self.busy = self.own = self.seconds = 0.0  # summed over learns since the last decision
-        self.warned, self.last = False, (0.0, self.count)  # last: for the progress line
+        self.last = (0.0, self.count)  # the last learn's seconds and threads: the progress line
 
     def around(self, learn):
         """learn, wrapped to run in the learn thread on the chosen count, and measured."""
@@ -1664,12 +1662,11 @@ class LearnThreads:
             torch.set_num_threads(self.count)  # per OS thread: inference keeps its one
             before = (time.perf_counter(), busy_seconds(), time.process_time())
             result = learn()
-            after = (time.perf_counter(), busy_seconds(), time.process_time())
-            self.last = (after[0] - before[0], self.count)
-            if self.fixed is None and before[1] is not None and after[1] is not None:
-                self.seconds += after[0] - before[0]
-                self.busy += after[1] - before[1]
-                self.own += after[2] - before[2]
+            self.last = (time.perf_counter() - before[0], self.count)
+            if self.fixed is None and before[1] is not None:
+                self.seconds += self.last[0]
+                self.busy += busy_seconds() - before[1]  # every process's, on these cores
+                self.own += time.process_time() - before[2]
                 if self.seconds >= 1.0:  # /proc/stat counts in 10 ms ticks: a second is enough
                     self.decide()
             return result
@@ -1679,11 +1676,6 @@ class LearnThreads:
         """One thread per core the others left idle during the learns since the last decision."""
         others = max(self.busy - self.own, 0.0) / self.seconds  # in cores
         self.count = max(1, min(self.most, int(len(CORES) - others + 0.5)))
-        if self.count < self.most and not self.warned:
-            self.warned = True
-            print(f"\nnote: other processes kept {others:.1f} of this server's {len(CORES)} cores "
-                  f"busy while it learned: learns take {self.count} torch thread(s) until they "
-                  "are idle (--learn-threads N fixes the count)", file=sys.stderr, flush=True)
         self.busy = self.own = self.seconds = 0.0
 
     def progress(self) -> str:
@@ -1693,11 +1685,10 @@ class LearnThreads:
 
 
 def busy_seconds() -> float | None:
-    """CPU seconds spent on this process's cores since boot, by every process (/proc/stat's
-    user to steal, less idle and iowait); None off Linux."""
+    """CPU seconds of this process's cores since boot, by every process; None off Linux."""
     try:
-        with open("/proc/stat") as file:
-            lines = [line.split() for line in file if line.startswith("cpu")][1:]  # per core
+        with open("/proc/stat") as file:  # per core: user to steal, less idle and iowait
+            lines = [line.split() for line in file if line.startswith("cpu")][1:]
     except OSError:
         return None
     ticks = sum(sum(map(int, words[1:9])) - int(words[4]) - int(words[5])
