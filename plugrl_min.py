@@ -1297,7 +1297,8 @@ class ObsEncoder(nn.Module):
                 pixels = obs[key].permute(0, 3, 1, 2).float() / 255  # [B, C, H, W], as conv wants
                 parts.append(encoders[key](pixels))
             else:
-                parts.append(obs[key].reshape(len(obs[key]), -1).float())  # a shape () too
+                value = obs[key]  # [B, ...], or [B] for a key of shape ()
+                parts.append((value.flatten(1) if value.dim() > 1 else value[:, None]).float())
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # cat would copy one
 
 

@@ -2618,11 +2618,12 @@ def test_sac_example_script_help_lists_algo_flags():
 
 
 def test_twin_critic_rows_are_two_independent_mlps():
-    critic = sac_example.TwinQ(4, 32)
-    obs, action = torch.randn(8, 3), torch.randn(8, 1)
+    critic = sac_example.TwinQ(4, 32, plugrl_min.ObsEncoder({"state": [[3], "float32"]}))
+    state, action = torch.randn(8, 3), torch.randn(8, 1)
+    obs = {"state": state}
     expected = []
     for c in range(2):  # each critic alone, layer by layer, from its slice of the stacked weights
-        x = torch.cat([obs, action], dim=-1)
+        x = torch.cat([state, action], dim=-1)
         for k, (weight, bias) in enumerate(zip(critic.weights, critic.biases)):
             x = x @ weight[c] + bias[c]
             x = x.relu() if k < 2 else x
@@ -6954,12 +6955,18 @@ if "env-client" in sys.argv:  # the local client: it ends 6 s after the run, whi
 """
 
 
+def ended_and_reported(text: str) -> bool:
+    """The run's report is out: it is the last thing the run prints before its status is known (the
+    "run finished" line comes earlier, while the run still ends)."""
+    return re.search(r"\nA .*: [\d,]+ steps \|", text) is not None
+
+
 def test_an_interrupt_in_a_notebook_while_the_local_clients_end_says_the_run_has_ended_and_keeps_status_0(kernel,
                                                                                                           tmp_path):
     run = tmp_path / "run"
     write_plugin(tmp_path, "plugrl_test_slow_exit", SLOW_EXIT)  # the kernel's folder: the client's too
     said = kernel.run(f"print('status', plugrl_min.main({notebook_words(run, 10**9) + ['--plugin', 'plugrl_test_slow_exit']!r}))",
-                      when=interrupt_twice(kernel, run, lambda text: "run finished: global step" in text))
+                      when=interrupt_twice(kernel, run, ended_and_reported))
     assert "the run has ended already: its local env clients get up to 10 s to end" in said, said[-3000:]
     assert "status 0" in said and "without a final checkpoint" not in said, said[-3000:]
 
