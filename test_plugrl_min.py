@@ -5964,7 +5964,7 @@ def test_the_servers_env_kwargs_reach_its_local_clients_environments(tmp_path, p
 @pytest.fixture
 def two_cores(monkeypatch):
     """A machine of two cores, as LearnThreads sees it: this process's affinity and torch's count.
-    LearnThreads pins the thread that builds it to one torch thread: put the test's count back."""
+    A learn sets the torch count of the thread it runs in: put the test's count back."""
     monkeypatch.setattr(plugrl_min, "CORES", [0, 1])
     monkeypatch.setattr(plugrl_min, "TORCH_THREADS", 2)
     threads = torch.get_num_threads()
@@ -5994,6 +5994,24 @@ def test_learns_take_one_thread_while_another_process_keeps_a_core_busy_and_say_
     assert decided(threads, busy=1.6, own=0.9) == 1  # 0.7 of a core taken: the rounding keeps one
     assert capsys.readouterr().err == ""  # the progress line shows the count; nothing alarms
     assert decided(threads, busy=1.0, own=0.95) == 2  # the neighbour is gone: every core again
+
+
+def test_the_serving_thread_is_on_one_torch_thread_before_any_network_is_built(monkeypatch, tmp_path):
+    # Pinned only after the networks were built on two threads, sac's two-thread learns took 1.4x as long.
+    seen = []
+
+    def build_algorithm(*args):
+        seen.append(torch.get_num_threads())
+        raise SystemExit(0)
+
+    monkeypatch.setattr(plugrl_min, "build_algorithm", build_algorithm)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        plugrl_min.main(["dummy-policy", "default", "dummy", "default", "--run-dir", str(tmp_path / "run")])
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [1]
 
 
 def test_a_fixed_learn_thread_count_is_kept_and_nothing_is_measured(two_cores):
