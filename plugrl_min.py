@@ -3067,7 +3067,7 @@ def add_env_kwargs_flag(add) -> None:
 
 
 def json_object(text: str) -> dict:
-    """argparse's type= for --env-kwargs: a JSON object, or a one-line error."""
+    """argparse's type= for a JSON object (--env-kwargs, --policy.obs-spec), or a one-line error."""
     try:
         value = json.loads(text)
     except ValueError as error:
