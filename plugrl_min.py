@@ -6,13 +6,13 @@ and the algorithm: it batches inference, routes every frame to `feedback` or `di
 learns, checkpoints and resumes. Every name, hook and rule of the PlugRL "Custom Algorithm" page
 holds here, with `plugrl_min` as the import path instead of `plugrl_server.*`.
 
-The first reading is the top of this file, down to the line "first reading ends". It follows
-one frame as it travels:
-  1. out of the client: run_episodes sends an observation in an infer message;
-  2. through the server: the in-flight data, then Server: run and its tasks; handle_client and
-     accept (the frame comes in); control_loop and infer_waiting (its action comes from infer);
-     route_feedback and discard_reason (feedback or discard_feedback, and why); learn_once
-     (when learn runs, on which thread, and why serving pauses); save and request_stop;
+The first reading is the top of this file, down to the line "first reading ends":
+  1. the whole loop without the wire (train_in_process, learn_and_save: the hooks in the order
+     the server drives them), then its client half over the wire (run_episodes);
+  2. one frame through the server: the in-flight data, then Server: run and its tasks;
+     handle_client and accept (the frame comes in); control_loop and infer_waiting (its action
+     comes from infer); route_feedback and discard_reason (feedback or discard_feedback, and
+     why); learn_once (when learn runs, on which thread, and why serving pauses); save;
   3. to disk, and to the end: save_checkpoint; serve and on_signal (what SIGINT and SIGTERM do);
   4-6. what it carries and where it lands: the state types and Checkpoint, BaseTorchPolicy's
      contract, BaseAlgorithm (every hook) and DummyAlgorithm, the smallest algorithm.
@@ -22,9 +22,9 @@ of nested arrays, the registries, the built-in policies, the run's record, the c
 the env client, and the command line in named steps.
 
 Optional features are one block each, under a banner "# ===== [NAME] ...": learn-threads, ranks,
-trace, tensorboard, report, notebook, pendulum, cartpole, gym. Each line elsewhere that belongs
-to one carries a comment that begins "# [NAME]". Delete a block and its lines, and the rest
-still serves, learns and saves.
+trace, tensorboard, report, notebook, pendulum, cartpole, gym, eval. Each line elsewhere that
+belongs to one carries a comment that begins "# [NAME]". Delete a block and its lines, and the
+rest still serves, learns and saves.
 """
 
 from __future__ import annotations  # an annotation may name a class defined further down
@@ -48,16 +48,25 @@ import time
 import traceback
 import typing
 
+
+def refuse_import(problem: str) -> typing.NoReturn:
+    """A version this file cannot work with: a program that imports it gets an ImportError it can
+    handle; the command line (this file run as a script) prints the one line and exits 1."""
+    if __name__ == "__main__":
+        sys.exit(f"error: {problem}")
+    raise ImportError(problem)
+
+
 if sys.version_info < (3, 11):  # the version it is tested on
-    sys.exit(f"error: plugrl_min needs Python 3.11 or newer; this is {sys.version.split()[0]}")
+    refuse_import(f"plugrl_min needs Python 3.11 or newer; this is {sys.version.split()[0]}")
 
 import numpy as np
 import torch
 import websockets
 
 if int(websockets.__version__.split(".")[0]) < 16:  # Server.close(code, reason) came in 16.0
-    sys.exit(f"error: plugrl_min needs websockets 16 or newer; this Python has "
-             f"{websockets.__version__}: pip install -r requirements.txt")
+    refuse_import(f"plugrl_min needs websockets 16 or newer; this Python has "
+                  f"{websockets.__version__}: pip install -r requirements.txt")
 from torch import nn
 from websockets.asyncio.server import serve as websockets_serve
 from websockets.exceptions import ConnectionClosed  # websockets.ConnectionClosed: a lookup per use
@@ -66,12 +75,66 @@ PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 16 * 2**20  # a larger frame closes its connection (--max-message-bytes)
 
 
-# ===== 1. The env client's loop: an observation out, an action back, feedback out =====
-# PlugRL page: the client of its smoke test (plugrl-run-env-client dummy-v1). Its environments,
-# the executors of a decision and the connection are the second reading's (section 14).
+# ===== 1. The loop: without the wire, then the env client's half of it over the wire =====
+# PlugRL page: "Server contract", its hooks in the order the server calls them; then the client
+# of its smoke test (plugrl-run-env-client). The server (section 2) spreads the loop over clients.
+
+async def train_in_process(server: Server, executor: MultiAction) -> None:
+    """The loop without the wire (--in-process): the hooks in the order the server drives them
+    for one client, over one vector of environments, in this process. What the server adds to it:
+    the wire, one infer() for many clients, and the stale frames a learn leaves in flight."""
+    n = executor.env.num_envs
+    conn = Connection(ws=None, number=1)  # the one client; a slot per environment, as served
+    slots = [conn.slots.setdefault(i, EnvSlot()) for i in range(n)]
+    obs = executor.reset()
+    while True:
+        # infer() once for every environment, then derive_train_state(): each environment's
+        # step state is its row of the batch (the server: infer_waiting).
+        action, runtime_state, train_state = server.infer_and_derive(obs, n)
+        batch = InferBatch(server.version, 0.0, action, split_rows(obs, n),
+                           split_rows(runtime_state, n), split_rows(train_state, n))
+        # The decision, executed in every environment (the client: run_episodes).
+        next_obs, reward, terminated, truncated, info = executor.step(action)
+        # Each frame to feedback() or discard_feedback(), by the routing rule.
+        rows = zip(range(n), slots, [StepState(batch, i) for i in range(n)],
+                   split_rows(next_obs, n), split_rows(reward, n),  # floats, or [k] rows
+                   terminated.tolist(), truncated.tolist(), split_rows(episode_info(info), n))
+        server.route_feedback(FeedbackMessage(conn, [Frame(*row) for row in rows]))
+        if await learn_and_save(server):
+            return
+        server.record.show_progress(server)
+        done = terminated | truncated
+        if done.any():  # new episodes, for the next infer
+            executor.reset(np.flatnonzero(done))
+        obs = executor.obs
+
+
+async def learn_and_save(server: Server) -> bool:
+    """After routing, on every pass of both loops: learn() while should_learn(), then a checkpoint
+    if should_save() or should_stop(). True once the run stops (or a signal asked it to)."""
+    algo = server.algo
+    # No inference while should_learn() is true: learn() runs in another thread and changes the
+    # weights infer() reads, and an action drawn now would come from a policy about to be replaced
+    # (an on-policy learner would only discard its frame). If should_learn() stays true, learn
+    # again: the page's symptom when it never turns false.
+    while algo.should_learn() and not server.stop_requested:
+        await server.learn_once()
+    # Once a pass, after its learns (none between back-to-back learns): stop, save.
+    stop = server.stop_requested or algo.should_stop()
+    if server.frames and (stop or algo.should_save()):  # none for a run of no frame
+        server.save()  # create_checkpoint(), and the server's counters beside, to disk
+    return stop
+
+
+def episode_info(info: dict) -> dict:
+    """The info a client sends with its feedback: the decision's episode statistics when any
+    environment finished one (every frame gets them; `mask` says which), else nothing."""
+    episode = info["episode"]
+    return {"episode": episode} if episode["mask"].any() else {}
+
 
 async def run_episodes(ws, executor, num_episodes: int, tally: dict) -> None:
-    """The client's loop: infer, execute the decision, send feedback, reset what finished."""
+    """The client's loop: infer, execute the decision, reset what finished, send feedback."""
     closed_loop = isinstance(executor, ClosedLoopMultiAction)
     check_metadata(unpack_message(await ws.recv()), executor, closed_loop)
     env_indices = np.arange(executor.env.num_envs, dtype=np.int64)
@@ -80,8 +143,8 @@ async def run_episodes(ws, executor, num_episodes: int, tally: dict) -> None:
         await ws.send(pack_message(infer))
         reply = unpack_message(await ws.recv())
         if reply.get("message_type") == "error":
-            raise SystemExit(f"the server refused a message: {reply['message']} "
-                             f"(hint: {reply['hint']})")
+            raise CommandError(f"the server refused a message: {reply['message']} "
+                               f"(hint: {reply['hint']})")
         action = reply["action"]  # [n, H, action_dim]
         if closed_loop:
             action = action[:, 0]  # one decision [n, decision_dim]
@@ -92,7 +155,7 @@ async def run_episodes(ws, executor, num_episodes: int, tally: dict) -> None:
         tally["decisions"] += len(env_indices)
         feedback = {"message_type": "feedback", "env_indices": env_indices, "obs": obs,
                     "reward": reward, "terminated": terminated, "truncated": truncated,
-                    "info": {"episode": episode} if episode["mask"].any() else {}}
+                    "info": episode_info(info)}
         frame = pack_message(feedback)  # its bytes: the observations the episodes ended on
         # Reset what finished before the send: the next infer starts the new episodes, and a
         # connection lost in the send leaves no finished environment to be stepped again.
@@ -206,8 +269,6 @@ class Server:
         self.global_step = global_step
         self.version = policy_version  # learns so far (a resumed run continues the count)
         self.obs_spec = obs_spec_of(algo.policy.obs_spec)
-        self.action_shape = (algo.policy.action_horizon, algo.policy.action_dim)
-        self.action_dtype = np.float32 if algo.policy.num_actions is None else np.int64
         self.metadata = metadata_of(algo.policy, self.obs_spec, names)  # every client's first
         self.connections = set()  # the open ones; a closed or rejected one leaves at once
         self.connection_numbers = itertools.count(1)  # Connection.number: in the order they came
@@ -217,6 +278,7 @@ class Server:
         self.signalled_at = None  # when the first SIGINT or SIGTERM came (on_signal)
         self.loop = None  # run()'s event loop, for a signal handler to wake
         self.ended = None  # run()'s status, once it has returned
+        self.failure = None  # what failed around the run (the port, its folder): run_status
         self.closing = False  # control_loop has returned: what the run saves is saved
         self.saved = []  # the checkpoints this run wrote, oldest first: pruning deletes no other
         self.learning_seconds = 0.0  # in learns so far: the serving clock stands still in them
@@ -239,19 +301,13 @@ class Server:
         async with server:
             open_run(self, server.sockets, on_listening)
             ticker = asyncio.create_task(tick(self.wake))
-            try:
-                await self.control_loop()
-                self.closing = True
-                code, reason, status = 1000, RUN_FINISHED, self.status
-            except Exception as error:  # a hook raised: no checkpoint is written after it
-                code, reason, status = 1011, f"{SERVER_FAILED}: {print_failure(error)}", 1
+            code, reason, status = await run_to_the_end(self, self.control_loop())
             ticker.cancel()
             # Stop accepting first, then close every open connection with the reason, the
             # newest too; a handshake still in progress is refused (HTTP 503).
             server.close(code=code, reason=reason)
             await server.wait_closed()
-        self.ended = finish_run(self, code, reason, status)
-        return self.ended
+        return finish_run(self, code, reason, status)
 
     async def handle_client(self, ws) -> None:
         """Send the metadata, then check and queue every message; a bad one closes this one."""
@@ -311,17 +367,7 @@ class Server:
                 else:
                     self.waiting.append(item)
             self.inbox = []
-            # No inference while should_learn() is true: learn() runs in another thread and
-            # changes the weights infer() reads, and an action drawn now would come from a policy
-            # about to be replaced (an on-policy learner would only discard its frame). If
-            # should_learn() stays true, learn again: the page's symptom when it never turns false.
-            while self.algo.should_learn() and not self.stop_requested:
-                await self.learn_once()
-            # Once a pass, after its learns (none between back-to-back learns): stop, save.
-            stop = self.stop_requested or self.algo.should_stop()
-            if self.frames and (stop or self.algo.should_save()):  # none for a run of no frame
-                self.save()  # create_checkpoint(), and the server's counters beside, to disk
-            if stop:
+            if await learn_and_save(self):  # learn while should_learn(); save; stop
                 return
             await self.infer_waiting()
             watch_local_clients(self)
@@ -360,13 +406,15 @@ class Server:
     def infer_and_derive(self, obs: dict, n: int) -> tuple:
         """infer(obs) and derive_train_state for n environments: (action, runtime_state,
         train_state). An infer for no environment is answered without the algorithm."""
+        policy = self.algo.policy
+        dtype = np.float32 if policy.num_actions is None else np.int64  # as the wire sends it
         if n == 0:
-            return np.zeros((0, *self.action_shape), self.action_dtype), None, None
+            return np.zeros((0, *policy.action_shape), dtype), None, None
         action, runtime_state = self.algo.infer(obs)
-        action = np.asarray(action, self.action_dtype)  # as the wire sends it
-        if action.shape != (n, *self.action_shape):  # the algorithm's own bug: the run fails
+        action = np.asarray(action, dtype)
+        if action.shape != (n, *policy.action_shape):  # the algorithm's own bug: the run fails
             raise RuntimeError(f"infer returned actions {list(action.shape)}, expected "
-                               f"{[n, *self.action_shape]}")
+                               f"{[n, *policy.action_shape]}")
         self.record.count_batch(n)  # for server/mean_batch_size
         return action, runtime_state, self.algo.derive_train_state(runtime_state)
 
@@ -425,8 +473,7 @@ class Server:
         every client told. From any thread: a signal's handler, a notebook's Interrupt."""
         self.stop_requested = True
         if self.loop is not None:
-            with contextlib.suppress(RuntimeError):  # its loop has closed: the run is over
-                self.loop.call_soon_threadsafe(self.wake.set)
+            call_soon(self.loop, self.wake.set)
 
 
 def discard_reason(algo: BaseAlgorithm, version: int, step: StepState) -> str | None:
@@ -470,29 +517,30 @@ def save_checkpoint(run_dir: str, checkpoint: Checkpoint, server_counters: dict)
     return path
 
 
-def serve(server: Server, host: str, port: int, on_listening, command_line: bool) -> int:
-    """Serve in the main thread until the run ends: its exit status. SIGINT and SIGTERM call
-    on_signal until the local clients are gone; then main([...]) gives back the handlers it
-    found, and the command line ignores both as it exits."""
+def serve(server: Server, run, command_line: bool) -> int:
+    """Serve in the main thread until the run (server.run, or run_in_process) ends: its exit
+    status. SIGINT and SIGTERM call on_signal until the local clients are gone; then main([...])
+    gives back the handlers it found, and the command line ignores both as it exits."""
     handler = functools.partial(on_signal, server)
     before = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return run_status(server, server.run(host, port, on_listening))
+        return run_status(server, run)
     finally:
         for signum, old in before.items():
             # As Python exits it resets a handler, not SIG_IGN: a copy of SIGTERM would kill (143).
             signal.signal(signum, signal.SIG_IGN if command_line else old)
 
 
-def on_signal(server: Server, *_) -> None:
+def on_signal(server: Server, signum: int = signal.SIGINT, _=None) -> None:
     """SIGINT or SIGTERM: the first is request_stop(); copies within a second are the same
     request (timeout, docker stop, Slurm and a terminal's Ctrl-C send several); a later one
     quits at once. A plain handler: serve() installs it for a run, and a notebook's first
     Interrupt calls it. It runs between two lines of the loop's thread, a final save's too."""
     if server.signalled_at is None:
         server.signalled_at = time.monotonic()
+        again = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         print("\nstopping after the learn in progress, if any (a final checkpoint once a frame "
-              "was served); Ctrl-C again, a second or more from now, quits without one",
+              f"was served); {again} again, a second or more from now, quits without one",
               file=sys.stderr, flush=True)
         server.request_stop()
     elif signalled_again(server):
@@ -557,10 +605,24 @@ class BaseTorchPolicy(nn.Module):
         """The distribution runtime_state["sample"] came from, given tensors {key: [B, ...]}."""
         raise NotImplementedError
 
+    def get_greedy_action(self, obs: dict) -> np.ndarray:
+        """plugrl_min's own, optional: the most likely action of each observation, for `eval`.
+        A policy without it is evaluated as it samples."""
+        raise NotImplementedError
+
     @property
     def device(self) -> torch.device:
         """Where the weights are (--device): infer moves observations there, actions back."""
         return next(self.parameters()).device
+
+    @property
+    def action_shape(self) -> tuple[int, int]:
+        """One environment's action (a decision): (action_horizon, action_dim)."""
+        return (self.action_horizon, self.action_dim)
+
+    def as_tensors(self, obs: dict) -> dict:
+        """A batch of observations, {key: array [n, ...]}, as tensors on the policy's device."""
+        return {key: torch.from_numpy(array).to(self.device) for key, array in obs.items()}
 
 
 # ===== 6. Algorithms: the hooks the server loop calls, and the smallest algorithm =====
@@ -746,9 +808,9 @@ class DummyAlgorithm(BaseAlgorithm):
 # ===== The first reading ends here ==========================================================
 # Its five questions, and where it answered them: where an action comes from and what routes its
 # feedback (infer_waiting, route_feedback, discard_reason, on_policy); what becomes of a stale
-# frame (discard_reason, discard_feedback); when learn runs and why serving pauses (control_loop,
-# learn_once); what a checkpoint holds and when it is written (Checkpoint, control_loop, save,
-# create_checkpoint); what SIGTERM does (on_signal, request_stop, control_loop, run). The second
+# frame (discard_reason, discard_feedback); when learn runs and why serving pauses (learn_and_save,
+# learn_once); what a checkpoint holds and when it is written (Checkpoint, learn_and_save, save,
+# create_checkpoint); what SIGTERM does (on_signal, request_stop, learn_and_save, run). The second
 # reading, section by section, in any order; the optional blocks can be cut (see the docstring).
 
 
@@ -830,9 +892,14 @@ class PG(DDPAlgorithm):
 
     def __init__(self, config: PGConfig, policy: BaseTorchPolicy):
         super().__init__(config=config, policy=policy)
+        # A batch of one frame has no spread to normalise its advantage by; 0 value steps no loss.
+        for flag, least in (("frames_per_learn", 2), ("value_epochs", 1), ("save_every", 1)):
+            if getattr(config, flag) < least:
+                raise UsageError(f"--algo.{flag.replace('_', '-')} must be at least {least}; got "
+                                 f"{getattr(config, flag)}")
         self.stored, self.learns, self.saved_at = 0, 0, 0
         n, spec = config.frames_per_learn, policy.obs_spec
-        obs = {key: np.zeros((n, *shape), dtype) for key, (shape, dtype) in spec.items()}
+        obs = zeros_of(spec, n)
         sample = self.example_train_state(n)["sample"]  # [n, ...]: the batch's sample column
         # One row per frame. successor: the row of the same environment's next stored frame.
         self.batch = {"obs": obs, "next_obs": map_arrays(np.zeros_like, obs),
@@ -957,8 +1024,7 @@ class PG(DDPAlgorithm):
     def load_checkpoint(self, checkpoint: Checkpoint) -> None:
         """The learner state and the unfinished batch's frames: the cadence continues exactly."""
         self.load_learner_state(checkpoint)
-        frames = map_arrays(torch.Tensor.numpy, checkpoint.meta["frames"])
-        put_rows(self.batch, slice(0, self.stored), frames)
+        self.load_server_data(self.global_step, checkpoint.meta, checkpoint.meta["frames"])
 
     def activate_ddp(self, ddp_policy: DistributedDataParallel) -> None:
         """Learn through the policy's wrapper, and through one of the value network alike."""
@@ -1129,10 +1195,18 @@ def unpack_message(frame: bytes) -> dict:
 # PlugRL page: "sliced per environment" (derive_train_state's result, and every runtime state).
 
 def obs_spec_of(spec: dict) -> dict:
-    """An obs_spec written one way: shapes as tuples of ints, dtypes as np.dtype ("<f4",
-    "float32" and np.float32 are one dtype; [3] and (3,) one shape)."""
+    """An obs_spec written one way, {key: (shape, np.dtype)}, from any of its spellings: (shape,
+    dtype) or [shape, dtype] (config.json) or the metadata's {"shape": ..., "dtype": ...}. "<f4",
+    "float32" and np.float32 are one dtype; [3] and (3,) one shape."""
+    pairs = {key: (entry["shape"], entry["dtype"]) if isinstance(entry, dict) else entry
+             for key, entry in spec.items()}
     return {key: (tuple(int(size) for size in shape), np.dtype(dtype))
-            for key, (shape, dtype) in spec.items()}
+            for key, (shape, dtype) in pairs.items()}
+
+
+def zeros_of(spec: dict, n: int) -> dict:
+    """n rows of zeros for every key of an obs_spec: {key: [n, *shape]}, each in its dtype."""
+    return {key: np.zeros((n, *shape), dtype) for key, (shape, dtype) in obs_spec_of(spec).items()}
 
 
 def obs_spec_as_json(spec: dict) -> dict:
@@ -1182,8 +1256,43 @@ _POLICY_CONFIGS, _POLICIES, _ALGO_CONFIGS, _ALGOS = {}, {}, {}, {}
 ENVIRONMENTS = {}  # env_id -> VecEnv subclass, for the env client (section 14)
 
 
-class RegistrationError(ValueError):
-    """A name registered twice: the command line ends on its one line, with status 2."""
+def module_names() -> list[str]:
+    """Every name a plug-in may import this file by: plugrl_min, the file's own (a renamed copy's),
+    and its dotted names in a package: from __spec__ (python -m, an import), or for a script
+    run by path from the folders above it that hold an __init__.py."""
+    path = os.path.abspath(__file__)
+    dotted = os.path.splitext(os.path.basename(path))[0]
+    names = ["plugrl_min", dotted, __name__]
+    if getattr(__spec__, "name", None):  # python -m myproj.rl.plugrl_min runs as __main__
+        names.append(__spec__.name)
+    folder = os.path.dirname(path)
+    while os.path.isfile(os.path.join(folder, "__init__.py")):  # myproj/rl/: rl, myproj.rl
+        folder, package = os.path.split(folder)
+        dotted = f"{package}.{dotted}"
+        names.append(dotted)
+    return names
+
+
+# One copy of the registries per process: a plug-in's `from plugrl_min import register_env`, or
+# `from myproj.rl.plugrl_min import ...`, must reach these tables, not a second copy of the file.
+# A name some other module holds already is left to it.
+for _name in module_names():
+    sys.modules.setdefault(_name, sys.modules[__name__])
+
+
+class CommandError(Exception):
+    """A failure the command line reports in one line, "error: ...", then exits with `status`.
+    Raised for what the user can fix (a file, a port, a refused connection); any other exception
+    keeps its traceback, since it is a bug: in an environment, a policy, an algorithm, or here."""
+
+    status = 1
+
+
+class UsageError(CommandError):
+    """A name, flag or value that cannot work (an unknown environment, a name registered twice):
+    status 2, as argparse gives a mistyped flag."""
+
+    status = 2
 
 
 def _registrar(table: dict, key, what: str, defaults: bool = False):
@@ -1191,8 +1300,8 @@ def _registrar(table: dict, key, what: str, defaults: bool = False):
     def decorator(cls):
         if key in table:
             first = (type(table[key]) if defaults else table[key]).__module__
-            raise RegistrationError(f"{what} is registered twice, by {first} and by "
-                                    f"{cls.__module__}: rename one, or load only one of them")
+            raise UsageError(f"{what} is registered twice, by {first} and by {cls.__module__}: "
+                             "rename one, or load only one of them")
         table[key] = cls() if defaults else cls
         return cls
     return decorator
@@ -1258,14 +1367,26 @@ register_algo("pg")(PG)
 # ===== 11. Built-in policies: dummy-policy (tanh-Gaussian) and categorical-policy (choices) =====
 # PlugRL page: the dummy-policy of its smoke test, registered with register_policy(_config).
 
-def is_image(shape: tuple, dtype) -> bool:
-    """An image is uint8 [H, W, C]: ObsEncoder convolves it, and GymEnv names a lone one "image"."""
-    return len(shape) == 3 and np.dtype(dtype) == np.uint8
+def image_layout(shape: tuple, dtype) -> str | None:
+    """How a uint8 observation of 2 or 3 axes holds a picture: "HW" (one channel), else "HWC" or
+    "CHW": the channels are the smaller of its first and last sizes ([3, 64, 64] is CHW; a tie,
+    HWC). None for any other observation. ObsEncoder convolves an image; GymEnv names a lone one
+    "image"."""
+    if np.dtype(dtype) != np.uint8 or len(shape) not in (2, 3):
+        return None
+    return "HW" if len(shape) == 2 else "CHW" if shape[0] < shape[2] else "HWC"
 
 
-def image_encoder(shape: tuple, features: int) -> nn.Sequential:
+def channels_first(pixels: torch.Tensor, layout: str) -> torch.Tensor:
+    """Images [B, *shape] of an image_layout as a convolution wants them: [B, C, H, W]."""
+    if layout == "HW":
+        return pixels[:, None]  # one channel
+    return pixels.permute(0, 3, 1, 2) if layout == "HWC" else pixels
+
+
+def image_encoder(shape: tuple, layout: str, features: int) -> nn.Sequential:
     """[B, C, H, W] in [0, 1] -> [B, features]: two 3x3 convolutions of stride 2, a linear layer."""
-    height, width, channels = shape
+    channels, height, width = channels_first(torch.empty(1, *shape), layout).shape[1:]
     size = 32 * math.ceil(height / 4) * math.ceil(width / 4)  # each convolution halves, rounding up
     return nn.Sequential(nn.Conv2d(channels, 16, 3, stride=2, padding=1), nn.ReLU(),
                          nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
@@ -1275,26 +1396,27 @@ def image_encoder(shape: tuple, features: int) -> nn.Sequential:
 class ObsEncoder(nn.Module):
     """Every key of an observation joined in one feature vector [B, features], in sorted key order
     (so the spelling of obs_spec never changes the network): a flat key flattened and cast to
-    float32, an image (uint8 [H, W, C]) scaled to [0, 1] and through convolutions of its own.
-    Without images it has no parameters: a policy's MLP on "state" alone is the MLP it was."""
+    float32, an image (uint8, image_layout's) scaled to [0, 1] and through convolutions of its
+    own. Without images it has no parameters: a policy's MLP on "state" alone is the MLP it was."""
 
     def __init__(self, obs_spec: dict, image_features: int = 64):
         super().__init__()
         self.obs_spec = dict(sorted(obs_spec_of(obs_spec).items()))
-        self.image_keys = [key for key, spec in self.obs_spec.items() if is_image(*spec)]
+        layouts = {key: image_layout(*spec) for key, spec in self.obs_spec.items()}
+        self.layouts = {key: layout for key, layout in layouts.items() if layout is not None}
         # A list, not a ModuleDict: a key of a nested Gymnasium Dict ("outer.inner") has a dot.
-        self.images = nn.ModuleList(image_encoder(self.obs_spec[key][0], image_features)
-                                    for key in self.image_keys)
-        self.features = sum(image_features if key in self.image_keys else math.prod(shape)
+        self.images = nn.ModuleList(image_encoder(self.obs_spec[key][0], layout, image_features)
+                                    for key, layout in self.layouts.items())
+        self.features = sum(image_features if key in self.layouts else math.prod(shape)
                             for key, (shape, _) in self.obs_spec.items())
 
     def forward(self, obs: dict) -> torch.Tensor:
         """The features [B, features] of tensors {key: [B, ...]}."""
-        encoders = dict(zip(self.image_keys, self.images))
+        encoders = dict(zip(self.layouts, self.images))
         parts = []
         for key in self.obs_spec:
             if key in encoders:
-                pixels = obs[key].permute(0, 3, 1, 2).float() / 255  # [B, C, H, W], as conv wants
+                pixels = channels_first(obs[key].float() / 255, self.layouts[key])  # in [0, 1]
                 parts.append(encoders[key](pixels))
             else:
                 value = obs[key]  # [B, ...], or [B] for a key of shape ()
@@ -1345,34 +1467,34 @@ class DummyPolicy(BaseTorchPolicy):
         gaussian = torch.distributions.Normal(mean, log_std.exp(), validate_args=False)
         return torch.distributions.Independent(gaussian, 1, validate_args=False)
 
-    def gaussian_sample(self, obs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """u = mean + std * noise (reparameterized) and its log-density [B], written out: the
-        plain form, self(obs).rsample() and .log_prob(u), takes twice the time."""
-        mean, log_std = self.gaussian(obs)
-        noise = torch.randn_like(mean)
-        u = mean + log_std.exp() * noise
-        return u, (-0.5 * noise.pow(2) - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
-
     def sample(self, obs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """A reparameterized action in (-1, 1) and its log-probability [B] (what sac trains)."""
-        u, log_prob = self.gaussian_sample(obs)
+        gaussian = self(obs)
+        u = gaussian.rsample()  # mean + std * noise: the gradient reaches mean and std
         action = torch.tanh(u)
         # The density of a = tanh(u) is the density of u over |da/du| = 1 - tanh(u)^2.
-        return action, log_prob - torch.log(1 - action.pow(2) + 1e-6).sum(-1)
+        return action, gaussian.log_prob(u) - torch.log(1 - action.pow(2) + 1e-6).sum(-1)
 
     @torch.inference_mode()
     def get_action_and_runtime_state(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
         """Sample a batch of actions; the runtime state keeps the action, u and u's log-prob."""
-        tensors = {key: torch.from_numpy(array).to(self.device) for key, array in obs.items()}
-        u, log_prob = self.gaussian_sample(tensors)
-        action = torch.tanh(u).cpu().numpy().reshape(-1, self.action_horizon, self.action_dim)
+        gaussian = self(self.as_tensors(obs))
+        u = gaussian.sample()
+        log_prob = gaussian.log_prob(u)
+        action = torch.tanh(u).cpu().numpy().reshape(-1, *self.action_shape)
         return action, {"action": action, "sample": u.cpu().numpy(),
                         "log_prob": log_prob.cpu().numpy()}
+
+    @torch.inference_mode()
+    def get_greedy_action(self, obs: dict) -> np.ndarray:
+        """The squashed mean, tanh(mean): what eval takes for the most likely action."""
+        mean, _ = self.gaussian(self.as_tensors(obs))
+        return torch.tanh(mean).cpu().numpy().reshape(-1, *self.action_shape)
 
     def fake_runtime_state(self, n: int) -> PolicyRuntimeState:
         """Zeros shaped like the runtime state of n environments."""
         size = self.action_horizon * self.action_dim
-        return {"action": np.zeros((n, self.action_horizon, self.action_dim), np.float32),
+        return {"action": np.zeros((n, *self.action_shape), np.float32),
                 "sample": np.zeros((n, size), np.float32), "log_prob": np.zeros(n, np.float32)}
 
 
@@ -1410,12 +1532,16 @@ class CategoricalPolicy(BaseTorchPolicy):
     @torch.inference_mode()
     def get_action_and_runtime_state(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
         """Sample a batch of choices; the runtime state keeps each choice and its log-prob."""
-        tensors = {key: torch.from_numpy(array).to(self.device) for key, array in obs.items()}
-        categorical = self(tensors)
+        categorical = self(self.as_tensors(obs))
         choice = categorical.sample()  # [n] int64
         action = choice.cpu().numpy().reshape(-1, 1, 1)  # [n, action_horizon = 1, 1]
         return action, {"action": action, "sample": choice.cpu().numpy(),
                         "log_prob": categorical.log_prob(choice).cpu().numpy()}
+
+    @torch.inference_mode()
+    def get_greedy_action(self, obs: dict) -> np.ndarray:
+        """The most likely choice of each observation, [n, 1, 1] int64 (for eval)."""
+        return self(self.as_tensors(obs)).logits.argmax(-1).cpu().numpy().reshape(-1, 1, 1)
 
     def fake_runtime_state(self, n: int) -> PolicyRuntimeState:
         """Zeros shaped like the runtime state of n environments."""
@@ -1446,15 +1572,18 @@ class RunRecord:
         self.last_reward = float("nan")  # of the newest line that saw episodes, for the progress
         self.metrics_file = None  # open while the server runs
         self.tensorboard = None  # [tensorboard]
+        self.claimed = None  # a new run's folder, claimed by the command line: claim_run_dir
         self.started = self.shown_at = time.perf_counter()
         self.tty = sys.stdout.isatty()  # asked once: a system call, and show_progress is per pass
 
     def open(self, run_dir: str) -> None:
-        """metrics.jsonl, appended to a line at a time (a resumed run continues it). Unbuffered:
-        a line that cannot be written (a full disk) is not tried again at the close."""
+        """metrics.jsonl, appended to a line at a time (a resumed run continues it, less a last
+        line cut short). Unbuffered: a line that cannot be written (a full disk) is not tried
+        again at the close."""
         path = os.path.join(run_dir, "metrics.jsonl")
         with naming(f"cannot open {path}"):
-            self.metrics_file = open(path, "ab", buffering=0)
+            self.metrics_file = open(path, "a+b", buffering=0)  # +: to read its last line
+            drop_a_cut_line(self.metrics_file)
         self.tensorboard = open_tensorboard(run_dir)  # [tensorboard]
 
     def close(self) -> None:
@@ -1473,6 +1602,10 @@ class RunRecord:
         """One infer() of n environments."""
         self.infer_calls += 1
         self.inferred_envs += n
+
+    def mean_batch_size(self) -> float:
+        """Environments per infer() so far: what batching gained."""
+        return self.inferred_envs / max(self.infer_calls, 1)
 
     def add(self, log: dict) -> None:
         """Count a learn's log, or a frame's feedback log, into the next line of metrics.jsonl.
@@ -1508,7 +1641,7 @@ class RunRecord:
                    "server/frames": counters["frames"],
                    "server/policy_version": server.version,
                    "server/fps": server.frames / elapsed,
-                   "server/mean_batch_size": self.inferred_envs / max(self.infer_calls, 1)}
+                   "server/mean_batch_size": self.mean_batch_size()}
         line = {"event": event, "step": server.global_step, "time": counters["seconds"], **metrics}
         with naming(f"cannot write {self.metrics_file.name}"):
             self.metrics_file.write(f"{json.dumps(line)}\n".encode())
@@ -1525,12 +1658,22 @@ class RunRecord:
         if now - self.shown_at < (1.0 if tty else 10.0):
             return
         self.shown_at = now
-        batch = self.inferred_envs / max(self.infer_calls, 1)
         line = (f"step {server.global_step}/{server.algo.config.global_steps} | "
                 f"{server.frames / (now - self.started):.0f} fps | rollout/reward "
-                f"{self.last_reward:.2f} | batch {batch:.1f} | {server.version} learns")
+                f"{self.last_reward:.2f} | batch {self.mean_batch_size():.1f} | "
+                f"{server.version} learns")
         line += server.threads.progress()  # [learn-threads]
         print("\r" + line if tty else line, end="" if tty else "\n", flush=True)
+
+
+def drop_a_cut_line(file) -> None:
+    """A resumed run's metrics.jsonl may end in a line cut short (a run killed as it wrote): the
+    next line would fuse with it, so it goes. Lines are far shorter than the 64 KiB looked at."""
+    size = file.seek(0, os.SEEK_END)
+    tail = os.pread(file.fileno(), 65536, max(size - 65536, 0)) if size else b""  # a new run's
+    if tail and not tail.endswith(b"\n"):
+        file.truncate(size - len(tail) + tail.rfind(b"\n") + 1)
+        print(f"warning: {file.name}'s last line was cut short: dropped", file=sys.stderr)
 
 
 def open_run(server, sockets: list, on_listening) -> None:
@@ -1544,9 +1687,26 @@ def open_run(server, sockets: list, on_listening) -> None:
     server.record.open(server.run_dir)
 
 
+async def run_to_the_end(server: Server, loop) -> tuple[int, str, int]:
+    """Await the run's loop: how it ended, as (close code, reason, exit status). A hook that
+    raised ends it at once, its traceback printed: no checkpoint is written after it."""
+    try:
+        await loop
+    except Exception as error:
+        return 1011, f"{SERVER_FAILED}: {print_failure(error)}", 1
+    server.closing = True  # what the run saves is saved
+    return 1000, RUN_FINISHED, server.status
+
+
+def call_soon(loop: asyncio.AbstractEventLoop, callback) -> None:
+    """callback() in loop's thread, asked from any thread; nothing once that loop has closed."""
+    with contextlib.suppress(RuntimeError):  # closed: the run it served is over
+        loop.call_soon_threadsafe(callback)
+
+
 def finish_run(server, code: int, reason: str, status: int) -> int:
     """After the clients were told: the end line of metrics.jsonl, the other ranks stopped, the
-    run's report; the exit status."""
+    run's report; the exit status (server.ended from now on)."""
     record = server.record
     if code == 1000 and server.frames:  # what the last learns and episodes logged
         record.add(server.algo.build_train_info(server.global_step, {})[1])
@@ -1556,27 +1716,49 @@ def finish_run(server, code: int, reason: str, status: int) -> int:
         status = server.ranks.stop(status)  # [ranks]
     print(f"\n{reason}: global step {server.global_step}, {server.version} learns",
           flush=True)
-    if code == 1000 and not server.frames:
+    if not server.frames:
         print("no frame was served: no checkpoint or metrics line was written", flush=True)
     elif code == 1000:  # [report]
         print(report([server.run_dir]), flush=True)  # [report]
+    server.ended = status
     return status
+
+
+def leave_as_found(run_dir: str, claimed: tuple[bool, set], local_clients: list) -> None:
+    """A new run that served no frame (a start that failed, or a stop before any client came)
+    leaves its folder as it found it: what it wrote goes, so the same command runs once fixed.
+    A local client that failed has its log printed first."""
+    made, found = claimed
+    for number, process, log_path in local_clients:
+        if process.poll() not in (None, 0):  # it may say why the start failed
+            with contextlib.suppress(OSError), open(log_path, errors="replace") as log:
+                print(f"env-client-{number}.log:\n{log.read().rstrip()}", file=sys.stderr)
+    for name in set(os.listdir(run_dir)) - found:  # config.json, logs, TensorBoard's file
+        with naming(f"cannot remove {os.path.join(run_dir, name)}"):
+            os.remove(os.path.join(run_dir, name))
+    if made:
+        with naming(f"cannot remove {run_dir}"):
+            os.rmdir(run_dir)
+    print(f"the run directory {run_dir} is {'removed' if made else 'as it was'}", flush=True)
 
 
 def run_status(server: Server, run) -> int:
     """asyncio.run(run), the server's run, in this thread: its exit status, or for a failure
-    around it one line and 1 (a file or the port, named; else a traceback) or a usage error's 2."""
+    around it (the port, the run directory: one line; else a traceback) its CommandError's or 1."""
     status, wait = 1, 10  # the local clients then get 10 s in all to end
     try:
         status = asyncio.run(run)
-    except SystemExit as stop:  # another run claimed the run directory meanwhile: 2
-        status = exit_status(stop)
     except asyncio.CancelledError:  # [notebook] stopped at once, without a final checkpoint
         status, wait = 130, 0  # [notebook] and the local clients are killed at once
     except Exception as error:
         print_failure(error)
+        status = error.status if isinstance(error, CommandError) else 1
+        server.failure = error
     finally:
         reap(server.local_clients, wait)
+        if not server.frames and server.record.claimed is not None:  # a start that failed
+            server.record.close()
+            leave_as_found(server.run_dir, server.record.claimed, server.local_clients)
     return status
 
 
@@ -1585,10 +1767,6 @@ async def tick(wake: asyncio.Event) -> None:
     while True:
         await asyncio.sleep(0.5)
         wake.set()
-
-
-class CommandError(Exception):
-    """A failure the command line reports in one line, "error: ...", exit status 1."""
 
 
 @contextlib.contextmanager
@@ -1600,13 +1778,13 @@ def naming(what: str):
         raise CommandError(f"{what}: {error.strerror or error}") from None
 
 
-def print_failure(error: Exception) -> str:
-    """A hook's exception with its traceback; a file of the run that could not be written, in
-    one line that names it. Returns what the clients are told failed."""
+def print_failure(error: Exception, prefix: str = "error: ") -> str:
+    """A CommandError in one line (a file of the run, named); any other exception, a hook's or an
+    environment's, with its traceback. Returns what the server's clients are told failed."""
     if isinstance(error, CommandError):
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        print(f"{prefix}{error}", file=sys.stderr, flush=True)
         return "OSError in its run directory"  # the run's own files: no hook is blamed
-    traceback.print_exc()
+    traceback.print_exception(error)
     return type(error).__name__
 
 
@@ -1624,17 +1802,21 @@ def prune_checkpoints(saved: list[str], path: str) -> list[str]:
     return saved[-3:]
 
 
+def read_checkpoint(path: str) -> tuple[Checkpoint, dict]:
+    """A checkpoint file: its Checkpoint, and the server's counters saved beside it."""
+    payload = torch.load(path, weights_only=True, map_location="cpu")
+    server = payload.pop("server")
+    return Checkpoint(**payload), server
+
+
 def load_newest_checkpoint(run_dir: str) -> tuple[Checkpoint, dict]:
     """The newest checkpoint that loads (a damaged one is skipped), and the server's counters."""
     for path in reversed(checkpoint_paths(run_dir)):
         try:
-            payload = torch.load(path, weights_only=True, map_location="cpu")
+            return read_checkpoint(path)
         except Exception as error:  # a file cut short by a crash: fall back to the one before
             print(f"skipping damaged checkpoint {path}: {error}", file=sys.stderr)
-            continue
-        server = payload.pop("server")
-        return Checkpoint(**payload), server
-    raise FileNotFoundError(f"nothing to resume in {run_dir}: no loadable checkpoints/step_*.pt")
+    raise CommandError(f"no loadable checkpoint in {run_dir} (checkpoints/step_*.pt)")
 
 
 # ===== [learn-threads] How many torch threads a learn gets: one per core left idle =====
@@ -1775,9 +1957,9 @@ def join_ranks(algo: BaseAlgorithm, uid: str, device: torch.device, resume: str 
         return None
     if not isinstance(algo, DDPAlgorithm):  # the page's "DDPAlgorithm errors at runtime"
         hooks = [name for name in vars(DDPAlgorithm) if name in DDPAlgorithm.__abstractmethods__]
-        raise SystemExit(_usage_error(
-            f"{world} ranks need a DDPAlgorithm; {uid!r} is a BaseAlgorithm without "
-            f"{', '.join(hooks)}: run it without torch.distributed.run, or implement them"))
+        raise UsageError(f"{world} ranks need a DDPAlgorithm; {uid!r} is a BaseAlgorithm without "
+                         f"{', '.join(hooks)}: run it without torch.distributed.run, or "
+                         "implement them")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     atexit.register(dist.destroy_process_group)  # left to exit, gloo can abort (SIGABRT)
     ranks = Ranks()
@@ -1871,10 +2053,10 @@ import argparse
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-    """The lines of a run directory's metrics.jsonl (ValueError if it has none)."""
+    """The lines of a run directory's metrics.jsonl (a UsageError if it has none)."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
-        raise ValueError(f"{run_dir} holds no metrics.jsonl: is it a run directory?")
+        raise UsageError(f"{run_dir} holds no metrics.jsonl: is it a run directory?")
     with open(path) as file:
         texts = file.read().splitlines()
     lines = []
@@ -1883,26 +2065,27 @@ def read_metrics(run_dir: str) -> list[dict]:
             lines.append(json.loads(text))
         except ValueError as error:
             if number < len(texts):
-                raise ValueError(f"{path}, line {number}: {error}") from None
+                raise UsageError(f"{path}, line {number}: {error}") from None
             print(f"warning: {path}, line {number} is cut short (a run killed as it wrote?): "
                   "skipped", file=sys.stderr)
     if not lines:
-        raise ValueError(f"{path} is empty: the run has not written a line yet")
+        raise UsageError(f"{path} is empty: the run has not written a line yet")
     return lines
 
 
-def return_curve(lines: list[dict], episodes: int = 100) -> list[tuple[int, float]]:
-    """(step, mean return of the last 100+ episodes) at every line that saw episodes: the mean
-    over the newest lines that hold at least 100 (`episodes`) of them, each weighted by
-    rollout/episodes."""
+def return_curve(lines: list[dict], episodes: int = 100) -> list[tuple[int, float, int]]:
+    """(step, mean return, episodes averaged) at every line that saw episodes: the mean over the
+    newest lines that hold at least `episodes` (100) of them, each weighted by rollout/episodes;
+    until that many have ended, over all so far, fewer."""
     curve, held = [], []  # held: (episodes, mean return) of the newest lines that are needed
     for line in lines:
         if line["rollout/episodes"]:
             held.append((line["rollout/episodes"], line["rollout/reward"]))
             while sum(count for count, _ in held[1:]) >= episodes:
                 held.pop(0)
+            count = sum(count for count, _ in held)
             total = sum(count * mean for count, mean in held)
-            curve.append((line["step"], total / sum(count for count, _ in held)))
+            curve.append((line["step"], total / count, count))
     return curve
 
 
@@ -1913,22 +2096,27 @@ def run_mark(i: int) -> str:
 
 def report(run_dirs: list[str], reach: float | None = None, last: int = 100) -> str:
     """A line on each run (steps, learns, discards, episodes, the mean return of its last 100+
-    (`last`) episodes, the best such mean, and when it first reached `reach`), then their
-    curves."""
+    (`last`) episodes, or of all if fewer ended; the best such mean of 100+ and the first step it
+    reached `reach`), then their curves."""
     rows, curves = [], {}
     for i, run_dir in enumerate(run_dirs):
         mark = run_mark(i)
         lines = read_metrics(run_dir)
-        curves[mark] = curve = return_curve(lines, last)
+        curve = return_curve(lines, last)
+        curves[mark] = [(step, mean) for step, mean, _ in curve]
+        full = [(step, mean) for step, mean, count in curve if count >= last]  # 100+ averaged
         end = lines[-1]
         figures = [f"{end['step']:,} steps", f"{end['server/policy_version']:,} learns",
                    f"{sum(line['server/discarded'] for line in lines):,} discarded",
                    f"{sum(line['rollout/episodes'] for line in lines):,} episodes"]
         if curve:
-            figures += [f"last {last}+ episodes {curve[-1][1]:.2f}",
-                        f"best {max(mean for _, mean in curve):.2f}"]
+            _, mean, count = curve[-1]
+            figures.append(f"last {last}+ episodes {mean:.2f}" if count >= last else
+                           f"all {count} episodes {mean:.2f}")
+        if full:
+            figures.append(f"best {max(mean for _, mean in full):.2f}")
         if reach is not None:
-            step = next((step for step, mean in curve if mean >= reach), None)
+            step = next((step for step, mean in full if mean >= reach), None)
             figures.append(f"{reach:g} never reached" if step is None else
                            f"{reach:g} reached at step {step:,}")
         rows.append(f"{mark} {run_dir}: " + " | ".join(figures))
@@ -1938,7 +2126,7 @@ def report(run_dirs: list[str], reach: float | None = None, last: int = 100) -> 
 def text_chart(curves: dict, last: int = 100, rows: int = 12, width: int = 60) -> str:
     """The runs' curves on the same axes, each drawn with its mark: return against steps. A mark
     takes one cell: runs past Z are listed, not drawn."""
-    title = f"mean return of the last {last}+ episodes, by step"
+    title = f"mean return of the last {last}+ episodes (of all, before {last} ended), by step"
     if len(curves) > 26:
         title += f" (runs A to Z are drawn; {len(curves) - 26} more are not)"
         curves = {mark: curve for mark, curve in curves.items() if len(mark) == 1}
@@ -1964,8 +2152,8 @@ def report_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python plugrl_min.py report",
                                      description="Compare runs from their metrics.jsonl.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    parser.add_argument("--reach", type=float, metavar="R",
-                        help="also the first step at which the last-N+ mean reached R")
+    parser.add_argument("--reach", type=float, metavar="R", help="also the first step at which "
+                        "the mean of the last N+ episodes reached R, once N had ended")
     parser.add_argument("--last", type=int, default=100, metavar="N",
                         help="the mean return of the last N+ episodes (default: 100)")
     args = parser.parse_args(argv)
@@ -1973,8 +2161,6 @@ def report_main(argv: list[str]) -> int:
         parser.error("--last must be at least 1")
     try:
         print(report(args.run_dirs, args.reach, args.last), flush=True)
-    except ValueError as error:
-        return _usage_error(error)
     except BrokenPipeError:  # `report RUN | head -3`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
     return 0
@@ -2042,8 +2228,8 @@ class OnAThread:
     def interrupted(self) -> None:
         """Cancel the coroutine (once it runs; after it ended, nothing is left to cancel)."""
         self.cancelled = True
-        with contextlib.suppress(AttributeError, RuntimeError):  # no task yet, or its loop closed
-            self.task.get_loop().call_soon_threadsafe(self.task.cancel)
+        if self.task is not None:  # once it runs
+            call_soon(self.task.get_loop(), self.task.cancel)
 
 
 class Serving(OnAThread):
@@ -2052,17 +2238,17 @@ class Serving(OnAThread):
     Ctrl-C: once, a clean stop with the final checkpoint; again a second later, a stop at once
     without one (130)."""
 
-    def __init__(self, server: Server, host: str, port: int, on_listening, at_end=None):
+    def __init__(self, server: Server, run, on_start, at_end=None):
         self.server, self.at_end = server, at_end
         self.started = threading.Event()  # the run directory is claimed, or the run failed
         self.run_dir = None  # once claimed (the first of the two): where the run writes its files
 
-        def claimed(port: int) -> None:
-            on_listening(port)
+        def claimed(port: int | None) -> None:
+            on_start(port)
             self.run_dir = server.run_dir
             self.started.set()
 
-        super().__init__(server.run(host, port, claimed), "plugrl-server")
+        super().__init__(run(claimed), "plugrl-server")
         try:
             self.started.wait()
         except KeyboardInterrupt:  # in the start: the run stops at its loop's first pass
@@ -2097,8 +2283,7 @@ class Serving(OnAThread):
         elif not signalled_again(self.server):
             on_signal(self.server)
         else:  # not on_signal's os._exit: it would end the kernel
-            with contextlib.suppress(RuntimeError):  # the loop has closed: the run is over
-                self.server.loop.call_soon_threadsafe(self.stop_now)
+            call_soon(self.server.loop, self.stop_now)
 
     def stop_now(self) -> None:
         """A second Interrupt, in the server's thread: a stop at once, without a final
@@ -2115,10 +2300,15 @@ class Serving(OnAThread):
 def start(argv: list[str]) -> Serving:
     """The server command, trained in the background (a notebook stays free): the same words
     and flags as the command line, through main([...]). Its run_dir is claimed on return;
-    stop() ends it. A run that did not start raises RuntimeError, its error printed above."""
+    stop() ends it. A run that did not start raises RuntimeError, saying why."""
     serving = main(list(argv), background=True)
-    if not isinstance(serving, Serving):
+    if isinstance(serving, CommandError):  # refused before serving: a usage error, a file
+        raise RuntimeError(f"the run did not start (exit status {serving.status}): {serving}")
+    if not isinstance(serving, Serving):  # argparse's usage error, which it printed
         raise RuntimeError(f"the run did not start (exit status {serving}; see the error above)")
+    if serving.run_dir is None:  # it failed as it started: the port, its folder
+        status, failure = serving.wait(), serving.server.failure
+        raise RuntimeError(f"the run did not start (exit status {status}): {failure}")
     return serving
 
 
@@ -2362,6 +2552,9 @@ class VecEnv:
         """Which of these rows just reached the time limit (a GymEnv: Gymnasium's own flag)."""
         return self.episode_length[rows] >= self.max_steps
 
+    def close(self) -> None:
+        """Release what the environments hold (a GymEnv: a window, the last episode's video)."""
+
 
 @register_env("dummy-v1")
 class DummyEnv(VecEnv):
@@ -2397,18 +2590,17 @@ def make_env(env_id: str, num_envs: int = 1, seed: int | None = None,
     """A registered environment by id, or gym:ENV_ID for a Gymnasium one; kwargs go to its
     constructor (gymnasium.make(ENV_ID, **kwargs) for gym:ENV_ID)."""
     kwargs = kwargs or {}
-    try:
-        if env_id.startswith("gym:"):  # [gym]
-            return GymEnv(env_id[4:], num_envs, seed, kwargs)  # [gym]
-        if env_id not in ENVIRONMENTS:
-            raise ValueError(f"unknown environment {env_id!r}; registered: {known_envs()} (a "
-                             "plug-in adds more with register_env and --plugin)")
-        return ENVIRONMENTS[env_id](num_envs, seed, **kwargs)
-    except TypeError as error:  # a keyword the constructor does not take, most likely
-        if not kwargs:
-            raise
-        raise ValueError(f"environment {env_id!r} refused the keyword arguments {kwargs}: "
+    if env_id.startswith("gym:"):  # [gym]
+        return GymEnv(env_id[4:], num_envs, seed, kwargs)  # [gym]
+    if env_id not in ENVIRONMENTS:
+        raise UsageError(f"unknown environment {env_id!r}; registered: {known_envs()} (a "
+                         "plug-in adds more with register_env and --plugin)")
+    try:  # the keywords are checked, not the constructor's own TypeError: that one is a bug
+        inspect.signature(ENVIRONMENTS[env_id]).bind(num_envs, seed, **kwargs)
+    except TypeError as error:
+        raise UsageError(f"environment {env_id!r} refused the keyword arguments {kwargs}: "
                          f"{error}") from None
+    return ENVIRONMENTS[env_id](num_envs, seed, **kwargs)
 
 
 def known_envs() -> str:
@@ -2454,7 +2646,7 @@ def make_controller(name: str, env: VecEnv) -> Controller:
         return TrackingController(lambda obs: (obs[:, 0], 0.0))
     if name == "track" and isinstance(env, PendulumEnv):  # [pendulum]
         return TrackingController(pendulum_angle, np.pi)  # [pendulum]
-    raise ValueError(f"unknown controller {name!r} for this environment; known: track (for "
+    raise UsageError(f"unknown controller {name!r} for this environment; known: track (for "
                      "dummy-v1 or pendulum-v1)")
 
 
@@ -2568,19 +2760,21 @@ class ClosedLoopMultiAction(MultiAction):
 def check_metadata(meta: dict, executor, closed_loop: bool) -> None:
     """Stop with a clear message when the server's policy cannot act in this environment."""
     if meta.get("message_type") != "metadata" or meta.get("protocol_version") != PROTOCOL_VERSION:
-        raise SystemExit(f"the server speaks protocol {meta.get('protocol_version')}, "
+        raise CommandError(f"the server speaks protocol {meta.get('protocol_version')}, "
                          f"this client {PROTOCOL_VERSION}")
+    if executor.stack_observations:  # a feedback observation is [m, ...], not [m, k, ...]
+        raise CommandError("stack_observations gives a frame every physical step's observation, "
+                           "which a feedback message does not carry: leave it out over the wire")
     decision_dim = executor.controller.decision_dim if closed_loop else None
     problem = misfit(meta, executor.env, decision_dim)
     if problem is not None:
-        raise SystemExit(f"the server's policy does not fit this environment: {problem}")
+        raise CommandError(f"the server's policy does not fit this environment: {problem}")
 
 
 def misfit(meta: dict, env, decision_dim: int | None = None) -> str | None:
     """Why the policy of a server's metadata cannot act in env (a VecEnv, or its class), with the
     flag that would fix it; None if it can. decision_dim: a closed loop's, in place of env's."""
-    reads = obs_spec_of({key: (spec["shape"], spec["dtype"])
-                         for key, spec in meta["obs_spec"].items()})
+    reads = obs_spec_of(meta["obs_spec"])
     gives = obs_spec_of(env.obs_spec)
     if reads != gives:
         key = min(key for key in reads.keys() | gives.keys() if reads.get(key) != gives.get(key))
@@ -2621,12 +2815,12 @@ async def connect_to_server(args):
             status = error.response.status_code
             if status == 503:  # the server is closing: its run has ended
                 return None
-            raise SystemExit(f"the server refused the connection (HTTP {status}): wrong or "
+            raise CommandError(f"the server refused the connection (HTTP {status}): wrong or "
                              "missing --token?") from None
         except (OSError, asyncio.TimeoutError, websockets.InvalidHandshake) as error:
             if time.monotonic() > deadline:
-                raise SystemExit(f"no server at {uri} after {args.connect_timeout:g} s "
-                                 f"({error})") from None
+                raise CommandError(f"no server at {uri} after {args.connect_timeout:g} s "
+                                   f"({error})") from None
             await asyncio.sleep(0.1)
 
 
@@ -2654,15 +2848,15 @@ async def run_env_client(args) -> int:
         except ConnectionClosed as closed:
             reason = closed.rcvd.reason if closed.rcvd else ""
             if reason.startswith(SERVER_FAILED):
-                raise SystemExit(f"the server failed ({reason}); see its log") from None
+                raise CommandError(f"the server failed ({reason}); see its log") from None
             if closed.rcvd and closed.rcvd.code == 1009:  # resending the same message cannot help
-                raise SystemExit(f"the server refused a message as too large ({reason}): raise "
-                                 "the server's --max-message-bytes, or step fewer --num-envs per "
-                                 "client") from None
+                raise CommandError(f"the server refused a message as too large ({reason}): "
+                                   "raise the server's --max-message-bytes, or step fewer "
+                                   "--num-envs per client") from None
             if closed.sent and closed.sent.code == 1009:
-                raise SystemExit(f"the server sent a message too large for this client "
-                                 f"({closed.sent.reason}): raise this client's --max-message-bytes"
-                                 ) from None
+                raise CommandError(f"the server sent a message too large for this client "
+                                   f"({closed.sent.reason}): raise this client's "
+                                   "--max-message-bytes") from None
             if reason == RUN_FINISHED:
                 ending = "the server ended the run"
             else:  # a restart or a network blink: the decision in flight is dropped
@@ -2776,20 +2970,31 @@ class GymEnv(VecEnv):
         try:
             import gymnasium
         except ImportError:
-            raise SystemExit(f"gym:{env_id} needs gymnasium: pip install gymnasium") from None
+            raise CommandError(f"gym:{env_id} needs gymnasium: pip install gymnasium") from None
         # The made environment, not env.unwrapped: its wrappers (a reward scale, a time limit)
         # are part of the task its entry point registered.
         try:
             self.envs = [gymnasium.make(env_id, **(kwargs or {})) for _ in range(num_envs)]
         except gymnasium.error.Error as error:  # an unknown id, a missing extra: one line
-            raise ValueError(f"gym:{env_id}: {error}") from None
+            elsewhere = isinstance(error, gymnasium.error.UnregisteredEnv) and ":" not in env_id
+            raise UsageError(f"gym:{env_id}: {error}" + elsewhere * (
+                " (registered by the starting script? a client process runs no script: register "
+                f"it in a module and name that, gym:MODULE:{env_id})")) from None
+        except TypeError as error:  # most likely a keyword the environment does not take
+            if not kwargs:
+                raise
+            raise UsageError(f"gym:{env_id} refused the keyword arguments {kwargs}: "
+                             f"{error}") from None
         space = self.envs[0].action_space
         if isinstance(space, gymnasium.spaces.Discrete):
             self.num_actions, self.first_action = int(space.n), int(space.start)
         elif isinstance(space, gymnasium.spaces.Box):
+            if not (np.isfinite(space.low).all() and np.isfinite(space.high).all()):
+                raise UsageError(f"gym:{env_id} has an unbounded Box action space {space}: [-1, 1] "
+                                 "is scaled to its bounds; wrap it in one with finite bounds")
             self.action_dim, self.low, self.high = int(np.prod(space.shape)), space.low, space.high
         else:
-            raise SystemExit(f"gym:{env_id} has a {type(space).__name__} action space; "
+            raise UsageError(f"gym:{env_id} has a {type(space).__name__} action space; "
                              "plugrl_min runs Box and Discrete ones")
         self.keys = gym_observation_keys(env_id, self.envs[0].observation_space)
         # A Discrete becomes a one-hot float32 [n]: a network reads n numbers, not one index.
@@ -2798,15 +3003,19 @@ class GymEnv(VecEnv):
         self.obs_spec = {key: ((int(leaf.n),), "float32") if key in self.one_hot
                          else (tuple(leaf.shape), leaf.dtype.name)  # a Box's own (float64 too)
                          for key, (_, leaf) in self.keys.items()}
-        self.last = {key: np.zeros((num_envs, *shape), dtype)  # each one's last observation
-                     for key, (shape, dtype) in self.obs_spec.items()}
+        self.last = zeros_of(self.obs_spec, num_envs)  # each one's last observation
         self.gym_truncated = np.zeros(num_envs, bool)  # what step() said; _truncated reads it
         self.max_steps = self.envs[0].spec.max_episode_steps or 10**9  # Gymnasium's flag truncates
         super().__init__(num_envs, seed)
 
     def _reset(self, rows):
+        from gymnasium.error import DependencyNotInstalled
         for i in rows:  # seeded from self.rng, so --seed makes episodes repeat
-            self._store(i, self.envs[i].reset(seed=int(self.rng.integers(2**31)))[0])
+            try:  # a first frame is drawn here (render_mode, eval --video): pygame may lack
+                obs, _ = self.envs[i].reset(seed=int(self.rng.integers(2**31)))
+            except DependencyNotInstalled as error:  # Gymnasium's one line says what to install
+                raise CommandError(f"{self.envs[i].spec.id}: {error}") from None
+            self._store(i, obs)
 
     def _step(self, action, rows):
         reward = np.zeros(len(rows))
@@ -2825,6 +3034,10 @@ class GymEnv(VecEnv):
     def _truncated(self, rows):
         return self.gym_truncated[rows]
 
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
+
     def _store(self, i, obs) -> None:
         """Environment i's Gymnasium observation into self.last, key by key."""
         for key, (path, _) in self.keys.items():
@@ -2841,13 +3054,35 @@ class GymEnv(VecEnv):
         return {key: array.copy() for key, array in self.last.items()}
 
 
+def record_video(env: VecEnv, folder: str) -> None:
+    """eval --video: each Gymnasium environment of env records its episodes into folder."""
+    if not isinstance(env, GymEnv):
+        raise UsageError("--video records a gym:ENV_ID environment, which draws its own frames")
+    import gymnasium
+    try:
+        env.envs = [gymnasium.wrappers.RecordVideo(one, folder, episode_trigger=lambda _: True,
+                                                   name_prefix=f"env{i}", disable_logger=True)
+                    for i, one in enumerate(env.envs)]
+    except gymnasium.error.DependencyNotInstalled:
+        raise CommandError("--video needs moviepy, which writes the files: pip install moviepy")
+
+
+def gym_entry_module(env_id: str) -> str:
+    """The module of gym:ENV_ID's entry point: '__main__' for a class of the starting script."""
+    import gymnasium
+    entry_point = gymnasium.spec(env_id).entry_point
+    if isinstance(entry_point, str):  # "module:Class"
+        return entry_point.split(":")[0]
+    return getattr(entry_point, "__module__", "")
+
+
 def gym_observation_keys(env_id: str, space) -> dict:
     """key -> (path into a Gymnasium observation, its Box or Discrete space). A lone Box is the
-    key "image" if an image (uint8 [H, W, C]), else "state"; a lone Discrete is "state"; a Dict
+    key "image" if an image (image_layout's), else "state"; a lone Discrete is "state"; a Dict
     gives one key per entry, a Dict in it "outer.inner". Anything else is refused in one line."""
     from gymnasium import spaces
     if not isinstance(space, spaces.Dict):
-        lone = isinstance(space, spaces.Box) and is_image(space.shape, space.dtype)
+        lone = isinstance(space, spaces.Box) and image_layout(space.shape, space.dtype) is not None
         keys = {"image" if lone else "state": ((), space)}
     else:
         keys = {}
@@ -2859,10 +3094,174 @@ def gym_observation_keys(env_id: str, space) -> dict:
     for key, (path, leaf) in keys.items():
         if not isinstance(leaf, (spaces.Box, spaces.Discrete)):
             where = f" (its entry {key!r})" if path else ""
-            raise SystemExit(f"gym:{env_id} has a {type(leaf).__name__} observation space"
+            raise UsageError(f"gym:{env_id} has a {type(leaf).__name__} observation space"
                              f"{where}; plugrl_min maps Box, Discrete and Dict (nested one level) "
                              "ones: write a VecEnv that gives it as arrays and register_env it")
     return keys
+
+
+# ===== [eval] `python plugrl_min.py eval RUN_DIR`: a trained policy, evaluated and watched =====
+# plugrl_min's own, after PlugRL's eval algorithm: the run's policy acts, nothing learns, and
+# nothing is written into the run. Cut: a trained run can only be resumed, which learns again.
+
+def act(policy: BaseTorchPolicy, obs: dict, greedy: bool) -> np.ndarray:
+    """The policy's actions for a batch: its most likely (get_greedy_action), or sampled."""
+    return policy.get_greedy_action(obs) if greedy else policy.get_action_and_runtime_state(obs)[0]
+
+
+def evaluate(policy: BaseTorchPolicy, env: VecEnv, episodes: int, greedy: bool) -> list[float]:
+    """The returns of the first `episodes` episodes the policy plays in env; no hook runs."""
+    executor = MultiAction(env)
+    obs = executor.reset()
+    returns = []
+    while len(returns) < episodes:
+        _, _, terminated, truncated, info = executor.step(act(policy, obs, greedy))
+        episode = info["episode"]
+        returns += episode["r"][episode["mask"]].tolist()
+        done = terminated | truncated
+        if done.any() and len(returns) < episodes:  # no episode begun that is not played
+            executor.reset(np.flatnonzero(done))
+        obs = executor.obs
+    return returns[:episodes]
+
+
+def evaluation(returns: list[float]) -> str:
+    """eval's one line: episodes, the mean return, its spread (standard deviation), min, max."""
+    if not returns:
+        return "0 episodes"
+    return (f"{len(returns)} episodes | mean return {np.mean(returns):.2f} | std "
+            f"{np.std(returns):.2f} | min {min(returns):.2f} | max {max(returns):.2f}")
+
+
+@dataclasses.dataclass
+class EvalConfig(BaseAlgoConfig):
+    """eval --serve: the episodes to serve, and how to act."""
+
+    global_steps: int | None = None  # the episodes end it, not the steps
+    episodes: int = 10  # finished episodes, then the run ends (0: until stopped)
+    greedy: bool = True  # the most likely action; false: sampled as in training
+
+
+class EvalAlgorithm(BaseAlgorithm):
+    """A trained policy behind a server, for env clients of any simulator: it acts, counts every
+    finished episode, and never learns. Its run directory is its own, not the trained run's."""
+
+    on_policy = False  # every frame is fed, so every episode is counted
+
+    def infer(self, obs: dict) -> tuple[np.ndarray, None]:
+        return act(self.policy, obs, self.config.greedy), None
+
+    def feedback(self, *, obs, runtime_state, train_state=None, terminated, truncated, next_obs,
+                 reward, info, next_terminated, next_truncated, prev_node):
+        self.record_finished_episode(info, next_terminated, next_truncated)
+        self.global_step += 1
+        return prev_node, self.global_step, {}
+
+    def learn_impl(self) -> tuple[int, dict]:
+        return self.global_step, {}  # never called: should_learn() stays false
+
+    def should_stop(self) -> bool:
+        return 0 < self.config.episodes <= len(self._episodes)
+
+
+def trained_policy(run_dir: str, checkpoint: str | None) -> tuple[BaseTorchPolicy, dict, int]:
+    """The run's policy, rebuilt from its config.json, with the weights of its newest loadable
+    checkpoint (or `checkpoint`'s): (the policy, the run's config, the checkpoint's step)."""
+    with naming(f"cannot read {os.path.join(run_dir, CONFIG)} (is it a run directory?)"):
+        with open(os.path.join(run_dir, CONFIG)) as file:
+            resolved = json.load(file)
+    uid = resolved["policy"]
+    config = _choose(_POLICY_CONFIGS, _POLICIES, "policy", uid, resolved["policy_variant"])
+    policy = make_policy(uid, dataclasses.replace(config, **resolved["policy_config"]))
+    if checkpoint is None:
+        saved, _ = load_newest_checkpoint(run_dir)
+    else:
+        with naming(f"cannot read the checkpoint {checkpoint}"):
+            saved, _ = read_checkpoint(checkpoint)
+    policy.load_state_dict(saved.model)
+    return policy, resolved, saved.step
+
+
+def eval_main(argv: list[str], command_line: bool = False) -> int:
+    """python plugrl_min.py eval RUN_DIR: the run's policy on its own environment, one line."""
+    args = parse_eval_flags(argv)
+    policy, resolved, step = trained_policy(args.run_dir, args.checkpoint)
+    env_id = args.env or resolved.get("env")
+    greedy = not args.stochastic
+    if greedy and type(policy).get_greedy_action is BaseTorchPolicy.get_greedy_action:
+        print(f"{resolved['policy']} has no get_greedy_action: evaluated as it samples")
+        greedy = False
+    if args.seed is not None:
+        torch.manual_seed(args.seed)  # what a sampled action draws
+    torch.set_num_threads(1)  # one answers a small batch fastest (main puts the count back)
+    if args.serve:
+        config = EvalConfig(episodes=args.episodes, greedy=greedy)
+        return serve_trained(policy, resolved["policy"], env_id, args, config, command_line)
+    if env_id is None:
+        raise UsageError(f"{args.run_dir}'s config.json names no environment (its run had no local "
+                         "env clients): name one with --env ENV_ID")
+    kwargs = {**(resolved.get("env_kwargs") or {}), **(args.env_kwargs or {})}  # theirs, yours
+    if args.video:  # [gym] Gymnasium draws each frame for RecordVideo
+        kwargs.setdefault("render_mode", "rgb_array")  # [gym]
+    env = make_env(env_id, 1, args.seed, kwargs)  # one: episodes in order, none cut short
+    if args.video:  # [gym]
+        record_video(env, args.video)  # [gym]
+    returns = evaluate(policy, env, args.episodes, greedy)
+    env.close()
+    print(f"eval {args.run_dir} at step {step:,}, {'greedy' if greedy else 'sampled'}, on "
+          f"{env_id}: {evaluation(returns)}", flush=True)
+    return 0
+
+
+def parse_eval_flags(argv: list[str]) -> argparse.Namespace:
+    """eval's words and flags."""
+    parser = argparse.ArgumentParser(prog="python plugrl_min.py eval", description="Evaluate a "
+                                     "trained run's policy: it acts, nothing learns, nothing "
+                                     "is written into RUN_DIR.")
+    add = parser.add_argument
+    add("run_dir", metavar="RUN_DIR")
+    add("--episodes", type=int, default=10, metavar="N", help="episodes to play (default: 10; "
+        "with --serve, 0 serves until Ctrl-C)")
+    add("--checkpoint", metavar="PATH", help="default: RUN_DIR's newest that loads")
+    add("--stochastic", action="store_true", help="sample actions as in training, not the most "
+        "likely")
+    add("--seed", type=int, help="seeds the environment and the samples: the same line twice")
+    add("--env", metavar="ENV_ID", help="default: the run's own, from its config.json")
+    add_env_kwargs_flag(add)  # merged over the run's own
+    add("--video", metavar="DIR", help="save each episode as a video in DIR "  # [gym]
+        "(gym:ENV_ID; needs moviepy)")  # [gym]
+    add("--serve", action="store_true", help="serve the policy to env clients instead, on --port")
+    add("--host", default="127.0.0.1", help="with --serve (default: loopback only)")
+    add("--port", type=int, default=8000, help="with --serve (default: 8000; 0 picks a free one)")
+    add_token_flag(add)
+    args = parser.parse_args(argv)
+    if args.episodes < 0 or (args.episodes == 0 and not args.serve):
+        parser.error("--episodes must be at least 1 (0 only with --serve)")
+    run_dir = os.path.abspath(args.run_dir)
+    if args.video and os.path.commonpath([run_dir, os.path.abspath(args.video)]) == run_dir:
+        parser.error("--video must be outside RUN_DIR: eval writes nothing into the run")
+    return args
+
+
+def serve_trained(policy: BaseTorchPolicy, uid: str, env_id: str | None,
+                  args: argparse.Namespace, config: EvalConfig, command_line: bool) -> int:
+    """eval --serve: the policy behind a server of its own, until --episodes ended or Ctrl-C;
+    its record (config.json, metrics.jsonl) in a run directory of its own."""
+    algo = EvalAlgorithm(config, policy)
+    warn_without_token(args.host, args.token)
+    server = Server(algo, None, (uid, "eval"), token=args.token)
+    record = {"evaluates": args.run_dir, "checkpoint": args.checkpoint, "env": env_id,
+              "policy": uid, "eval_config": dataclasses.asdict(config)}
+
+    def on_start(port: int) -> None:
+        server.run_dir = claim_run_dir(None, ["eval", *[env_id] * bool(env_id)], record,
+                                       server.record)
+        print(f"serving {uid} of {args.run_dir}: start an env client, e.g.\n  python "
+              f"{os.path.basename(__file__)} env-client {env_id or 'ENV_ID'} --server-port "
+              f"{port} --num-episodes 0", flush=True)
+    status = serve(server, server.run(args.host, args.port, on_start), command_line)
+    print(f"eval {args.run_dir} served: {evaluation([r for r, _, _ in algo._episodes])}")
+    return status
 
 
 # ===== 15. Command line: the server (POLICY VARIANT ALGO VARIANT), env-client and report =====
@@ -2901,19 +3300,6 @@ def _registered(table) -> str:
     return ", ".join(f"{uid} ({', '.join(variants)})" for uid, variants in sorted(uids.items()))
 
 
-def _usage_error(message) -> int:
-    """Print 'error: message' on stderr; return 2, the status argparse gives a mistyped flag."""
-    print(f"error: {message}", file=sys.stderr)
-    return 2
-
-
-def exit_status(stop: SystemExit, prefix: str = "") -> int:
-    """The status a SystemExit gives a shell; its message (a str) is printed, as Python does."""
-    if isinstance(stop.code, str):
-        print(f"{prefix}{stop.code}", file=sys.stderr)
-    return stop.code if isinstance(stop.code, int) else int(stop.code is not None)
-
-
 def _choose(configs: dict, classes: dict, kind: str, uid: str, variant: str):
     """_config, or one line that says what to do (status 2, as for a mistyped flag)."""
     if (uid, variant) in configs:
@@ -2922,8 +3308,8 @@ def _choose(configs: dict, classes: dict, kind: str, uid: str, variant: str):
     hint = ("" if any(known == uid for known, _ in configs) else
             f"; {uid!r} is registered without a config: register one with {decorator}"
             if uid in classes else f"; if {uid!r} is defined in a plug-in, add --plugin MODULE")
-    raise SystemExit(_usage_error(f"unknown {kind} {uid!r} variant {variant!r}; known: "
-                                  f"{_registered(configs)}{hint}"))
+    raise UsageError(f"unknown {kind} {uid!r} variant {variant!r}; known: "
+                     f"{_registered(configs)}{hint}")
 
 
 def field_comments(config_class) -> dict:
@@ -2939,12 +3325,15 @@ def field_comments(config_class) -> dict:
 
 
 def _building(what: str, build, *args):
-    """build(*args); a failure keeps its traceback and ends with a line naming the step."""
+    """build(*args); a failure keeps its traceback and ends with a line naming the step. A
+    CommandError is the constructor's own refusal, in one line (sac of a discrete policy)."""
     try:
         return build(*args)
+    except CommandError:
+        raise
     except Exception:  # a KeyError "... is not registered." too: the page's symptom, as it is
         traceback.print_exc()
-        raise SystemExit(f"error: building {what} failed (the traceback above says why)") from None
+        raise CommandError(f"building {what} failed (the traceback above says why)") from None
 
 
 def server_main(argv: list[str], plugins: list[str] = (),
@@ -2968,10 +3357,7 @@ def server_main(argv: list[str], plugins: list[str] = (),
     ranks = join_ranks(algo, words[2], algo.policy.device, resume)  # [ranks]
     counters = {}
     if resume is not None:
-        try:
-            checkpoint, counters = load_newest_checkpoint(resume)
-        except FileNotFoundError as error:  # nothing to resume: one line, not a traceback
-            raise SystemExit(f"error: {error}") from None
+        checkpoint, counters = load_newest_checkpoint(resume)
         algo.load_checkpoint(checkpoint)
         print(f"resumed from step {checkpoint.step} in {resume}", flush=True)
     warn_without_token(args.host, args.token)
@@ -2986,15 +3372,35 @@ def server_main(argv: list[str], plugins: list[str] = (),
     if resume is not None:  # the run's own checkpoints: pruning may delete its older ones
         server.saved = checkpoint_paths(resume)
     local_env = choose_local_env(args, server, known)
+    resolved["env"] = local_env if args.local_env_clients or args.in_process else None
 
-    def on_listening(port: int) -> None:  # the port is taken: now the run writes its files
-        server.run_dir = claim_run_dir(args, words, local_env, resolved)
-        start_local_clients(server, args, local_env, plugins, port)
+    def on_start(port: int | None) -> None:  # its port is taken (or in-process): now its files
+        name = [words[2], *[local_env] * (resolved["env"] is not None),
+                *[f"seed{args.seed}"] * (args.seed is not None)]
+        server.run_dir = claim_run_dir(args.run_dir, name, resolved, server.record, args.resume)
+        if port is not None:
+            start_local_clients(server, args, local_env, plugins, port)
+
+    def run(on_start):  # the run: served, or in this process without the wire
+        if not args.in_process:
+            return server.run(args.host, args.port, on_start)
+        env = make_env(local_env, args.local_num_envs, args.seed, args.env_kwargs)
+        return run_in_process(server, MultiAction(env), on_start)
 
     if background or in_a_notebook():  # [notebook] the server on a thread of its own
-        serving = Serving(server, args.host, args.port, on_listening, at_end)  # [notebook]
-        return serving if background and serving.run_dir else serving.wait()  # [notebook]
-    return serve(server, args.host, args.port, on_listening, command_line)
+        serving = Serving(server, run, on_start, at_end)  # [notebook]
+        return serving if background else serving.wait()  # [notebook]
+    return serve(server, run(on_start), command_line)
+
+
+async def run_in_process(server: Server, executor: MultiAction, on_start) -> int:
+    """--in-process: the run directory (on_start claims it), the loop without the wire, then the
+    end line and the report, as a served run writes them; no socket, no client process."""
+    server.loop = asyncio.get_running_loop()
+    on_start(None)
+    server.record.open(server.run_dir)
+    code, reason, status = await run_to_the_end(server, train_in_process(server, executor))
+    return finish_run(server, code, reason, status)
 
 
 def parse_server_flags(argv: list[str]) -> tuple[list[str], argparse.Namespace, dict]:
@@ -3005,6 +3411,7 @@ def parse_server_flags(argv: list[str]) -> tuple[list[str], argparse.Namespace, 
         print("usage: python plugrl_min.py POLICY VARIANT ALGO VARIANT [flags; --help lists them]\n"
               "       python plugrl_min.py env-client ENV_ID [flags; --help lists them]\n"
               "       python plugrl_min.py report RUN_DIR ... [--reach R] [--last N]\n"  # [report]
+              "       python plugrl_min.py eval RUN_DIR [flags; --help lists them]\n"  # [eval]
               "--plugin MODULE, anywhere on the line, imports a plug-in first\n\n"
               f"policies: {_registered(_POLICY_CONFIGS)}\n"
               f"algorithms: {_registered(_ALGO_CONFIGS)}\n"
@@ -3021,16 +3428,19 @@ def parse_server_flags(argv: list[str]) -> tuple[list[str], argparse.Namespace, 
     if args.port is None:  # one command needs no free port 8000; a lone server keeps the page's
         args.port = 0 if args.local_env_clients else 8000
     if args.resume and not args.run_dir:
-        raise SystemExit(_usage_error("--resume needs --run-dir, the run directory to continue"))
+        raise UsageError("--resume needs --run-dir, the run directory to continue")
+    if args.in_process and args.local_env_clients:
+        raise UsageError("--in-process runs the environments in this process: it takes "
+                         "--local-num-envs, not --local-env-clients")
     if args.run_dir and not args.resume and os.path.exists(os.path.join(args.run_dir, CONFIG)):
         served = checkpoint_paths(args.run_dir)
-        raise SystemExit(_usage_error(f"{args.run_dir} holds a run already: " + (
+        raise UsageError(f"{args.run_dir} holds a run already: " + (
             "add --resume to continue it, or name another --run-dir" if served else
             "one that served no frame (its env-client-N.log may say why): remove the folder, or "
-            "name another --run-dir")))
+            "name another --run-dir"))
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(_usage_error("--device cuda, but torch finds no CUDA device "
-                                      "(torch.cuda.is_available() is False): use --device cpu"))
+        raise UsageError("--device cuda, but torch finds no CUDA device "
+                         "(torch.cuda.is_available() is False): use --device cpu")
     for prefix, config in configs.items():
         for field in dataclasses.fields(config):
             if f"{prefix}.{field.name}" in vars(args):  # given: a field left out keeps its default
@@ -3094,37 +3504,40 @@ def add_server_flags(add) -> None:
     add("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
     add("--seed", type=int, help="seeds torch and numpy on the server; local client i gets "
         "--seed S+i-1 for its environments")
-    add("--local-env-clients", type=int, default=0, metavar="N", help="start N env clients too")
+    add("--local-env-clients", type=int, default=0, metavar="N", help="start N env clients too "
+        "(default: 0)")
+    add("--in-process", action="store_true", help="no server: train on --local-env in this "
+        "process, the loop without the wire (--seed S seeds it as local client 1)")
     add("--local-env", metavar="ENV_ID", help="their environment (default: the algorithm's "
         "example_env, else the first registered that fits)")
-    add("--local-num-envs", type=int, default=1, metavar="M", help="environments per local client")
+    add("--local-num-envs", type=int, default=1, metavar="M", help="environments per local "
+        "client, or --in-process (default: 1)")
     add_env_kwargs_flag(add)
-    add("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="auto: cuda if any")
+    add("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="auto: cuda if any "
+        "(default: cpu)")
     add("--log-every", type=int, default=1000, metavar="F", help="a line of metrics.jsonl at "
-        "the first learn once F frames (stored or discarded) were routed since the last")
+        "the first learn once F frames (stored or discarded) were routed since the last "
+        "(default: 1000)")
     add("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, metavar="B",
-        help="a larger frame closes its connection (1009)")
+        help=f"a larger frame closes its connection (1009) (default: {MAX_MESSAGE_BYTES})")
     add("--max-envs-per-client", type=int, default=4096, metavar="N",
-        help="environments one connection may use: one client cannot hold the loop")
+        help="environments one connection may use: one client cannot hold the loop (default: "
+        "4096)")
     add("--learn-threads", type=int, metavar="N", help="torch threads per learn "  # [learn-threads]
         "(default: one per core other processes leave idle)")  # [learn-threads]
     add("--trace", type=int, default=0, metavar="N",  # [trace]
-        help="narrate the first N frames and learns")  # [trace]
+        help="narrate the first N frames and learns (default: 0)")  # [trace]
     add("--feedback-timeout", type=float, default=60.0, metavar="S", help="seconds of serving "
-        "an environment may owe feedback for an action (also the ping interval)")
+        "an environment may owe feedback for an action, also the ping interval (default: 60)")
     add_token_flag(add)
 
 
 def known_environment(args: argparse.Namespace, words: list[str]) -> tuple[str, VecEnv] | None:
     """The environment the server knows before it builds the policy, made once: --local-env,
     else the algorithm's example_env; None if neither. An unknown one is a usage error."""
-    env_id = args.local_env or getattr(_ALGOS.get(words[2]), "example_env", None)
-    if env_id is None:
-        return None
-    try:
-        return env_id, make_env(env_id, kwargs=args.env_kwargs)
-    except ValueError as error:  # an unknown id, or keywords its constructor does not take
-        raise SystemExit(_usage_error(error)) from None
+    example = getattr(_ALGOS.get(words[2]), "example_env", None)
+    env_id = args.local_env or (example if example in ENVIRONMENTS else None)  # a block cut
+    return None if env_id is None else (env_id, make_env(env_id, kwargs=args.env_kwargs))
 
 
 SIZED_FROM_ENV = ("obs_spec", "action_dim", "num_actions")  # of a built-in policy's config
@@ -3177,34 +3590,33 @@ def choose_local_env(args: argparse.Namespace, server: Server, known) -> str | N
             if misfit(server.metadata, env) is None]
     local_env = args.local_env or min(fits, key=lambda env_id: env_id != server.algo.example_env,
                                       default=None)  # the algorithm's own example first
-    if args.local_env_clients:  # checked now: a start that fails leaves no trace on disk
-        try:
-            if local_env is None:
-                raise ValueError("no registered environment fits this policy: name one with "
-                                 "--local-env ENV_ID")
-            defined_in = getattr(ENVIRONMENTS.get(local_env), "__module__", __name__)
-            if defined_in == "__main__" and __name__ != "__main__":  # a notebook cell, a script
-                raise ValueError(f"environment {local_env!r} is defined in __main__, which the "
-                                 "--local-env-clients processes cannot import: define it in a "
-                                 "module and add --plugin MODULE")
-            env = known[1] if known and known[0] == local_env else make_env(
-                local_env, kwargs=args.env_kwargs)
-            problem = misfit(server.metadata, env)
-            if problem is not None:
-                raise ValueError(f"the server's policy does not fit {local_env}: {problem}")
-        except ValueError as error:
-            raise SystemExit(_usage_error(error)) from None
+    if not (args.local_env_clients or args.in_process):  # checked now, before any file
+        return local_env
+    if local_env is None:
+        raise UsageError("no registered environment fits this policy: name one with --local-env")
+    defined_in = getattr(ENVIRONMENTS.get(local_env), "__module__", __name__)
+    if local_env.startswith("gym:"):  # [gym] where its entry point is
+        defined_in = gym_entry_module(local_env[4:])  # [gym]
+    if args.local_env_clients and defined_in == "__main__" and __name__ != "__main__":
+        raise UsageError(f"environment {local_env!r} is defined in __main__, which the "
+                         "--local-env-clients processes cannot import: define it in a module "
+                         "and add --plugin MODULE (gym:MODULE:ID for a Gymnasium one)")
+    env = known[1] if known and known[0] == local_env else make_env(
+        local_env, kwargs=args.env_kwargs)
+    problem = misfit(server.metadata, env)
+    if problem is not None:
+        raise UsageError(f"the server's policy does not fit {local_env}: {problem}")
     return local_env
 
 
-def claim_run_dir(args: argparse.Namespace, words: list[str], local_env: str | None,
-                  resolved: dict) -> str:
-    """The run directory, made this run's own by creating its config.json exclusively."""
-    run_dir = args.run_dir
+def claim_run_dir(run_dir: str | None, name: list[str], resolved: dict, record: RunRecord,
+                  resume: bool = False) -> str:
+    """The run directory (None: a new one, runs/NAME-TIME), made this run's own by creating its
+    config.json exclusively. A new run's record keeps what the folder held, to leave it so if no
+    frame is served."""
+    found = None if run_dir is None or not os.path.isdir(run_dir) else set(os.listdir(run_dir))
     if run_dir is None:  # a new folder: another run started this second takes another
-        name = "-".join([words[2], *[local_env] * bool(args.local_env_clients),
-                         *[f"seed{args.seed}"] * (args.seed is not None),
-                         time.strftime("%Y%m%d-%H%M%S")])
+        name = "-".join([*name, time.strftime("%Y%m%d-%H%M%S")])
         base = os.path.join("runs", re.sub(r"[^\w.-]", "_", name))  # letters, digits, -_. stay
         with naming(f"cannot make a run directory in {os.path.abspath('runs')}"):
             for suffix in itertools.count(1):
@@ -3216,11 +3628,12 @@ def claim_run_dir(args: argparse.Namespace, words: list[str], local_env: str | N
         os.makedirs(run_dir, exist_ok=True)
     with naming(f"cannot write {os.path.join(run_dir, CONFIG)}"):
         try:
-            with open(os.path.join(run_dir, CONFIG), "w" if args.resume else "x") as file:
+            with open(os.path.join(run_dir, CONFIG), "w" if resume else "x") as file:
                 json.dump(resolved, file, indent=2)
         except FileExistsError:  # another run claimed it since the check at the start
-            raise SystemExit(_usage_error(f"{run_dir} holds a run already: name another "
-                                          "--run-dir"))
+            raise UsageError(f"{run_dir} holds a run already: name another --run-dir") from None
+    if not resume:  # (made the folder, what it held): see leave_as_found
+        record.claimed = (found is None, found or set())
     print(f"run directory: {run_dir}", flush=True)
     return run_dir
 
@@ -3243,6 +3656,8 @@ def start_local_clients(server: Server, args: argparse.Namespace, local_env: str
               flush=True)
     environment = dict(os.environ)
     environment["PLUGRL_TOKEN"] = args.token or ""  # off the command line, as a secret
+    # The folders this process imports from, the plug-ins' too (a package's, a notebook's own).
+    environment["PYTHONPATH"] = os.pathsep.join(os.path.abspath(path) for path in sys.path)
     for i in range(1, args.local_env_clients + 1):
         seed = [] if args.seed is None else ["--seed", str(args.seed + i - 1)]
         command = [sys.executable, os.path.abspath(__file__), *client_args, *seed]
@@ -3291,34 +3706,36 @@ def env_client_main(argv: list[str]) -> int:
                                      description="Run environments against a plugrl_min server.")
     add = parser.add_argument
     add("env_id", help=f"one of {known_envs()}")
-    add("--server-host", default="127.0.0.1")
-    add("--server-port", type=int, default=8000)
-    add("--num-episodes", type=int, default=1,
-        help="stop after this many finished episodes (0: when the server ends the run)")
-    add("--num-envs", type=int, default=1, help="environments stepped together")
+    add("--server-host", default="127.0.0.1", help="(default: 127.0.0.1)")
+    add("--server-port", type=int, default=8000, help="(default: 8000)")
+    add("--num-episodes", type=int, default=1, help="stop after this many finished episodes (0: "
+        "when the server ends the run) (default: 1)")
+    add("--num-envs", type=int, default=1, help="environments stepped together (default: 1)")
     add("--seed", type=int, help="seeds the environments")
     add_env_kwargs_flag(add)
     add("--summary-json", help="write the summary here as one JSON object")
-    add("--connect-timeout", type=float, default=30.0, help="seconds to wait for the server")
+    add("--connect-timeout", type=float, default=30.0, help="seconds to wait for the server "
+        "(default: 30)")
     add_token_flag(add)
     add("--closed-loop-steps", type=int, metavar="K",
         help="hold each decision for K physical steps, acted out by --controller")
-    add("--controller", default="track", help="track (dummy-v1, pendulum-v1)")
-    add("--reward-aggregation", default="sum", choices=REWARD_AGGREGATIONS)
-    add("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES)
+    add("--controller", default="track", help="track (dummy-v1, pendulum-v1) (default: track)")
+    add("--reward-aggregation", default="sum", choices=REWARD_AGGREGATIONS,
+        help="a decision's reward from its physical steps' (default: sum)")
+    add("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES,
+        help=f"a larger frame from the server closes the connection (default: {MAX_MESSAGE_BYTES})")
     add_plugin_flag(add)
     args = parser.parse_args(argv)
-    if args.num_envs < 1 or args.num_episodes < 0:
-        parser.error("--num-envs must be at least 1 and --num-episodes at least 0")
+    if args.num_envs < 1 or args.num_episodes < 0 or (args.closed_loop_steps or 1) < 1:
+        parser.error("--num-envs and --closed-loop-steps must be at least 1, --num-episodes at "
+                     "least 0")
     try:
         if in_a_notebook():  # [notebook] a cell: the kernel's loop runs in this thread
             return OnAThread(run_env_client(args), "plugrl-env-client").wait()  # [notebook]
         return asyncio.run(run_env_client(args))
-    except ValueError as error:  # an unknown environment or controller: as a mistyped flag
-        print(f"env-client: {error}", file=sys.stderr)
-        return 2
-    except SystemExit as stop:  # SystemExit(message): a clear stop, with its reason
-        return exit_status(stop, "env-client: ")
+    except CommandError as error:  # an unknown environment (2), the server's refusal (1): a line
+        print_failure(error, "env-client: ")  # any other exception: the environment's traceback
+        return error.status
     except KeyboardInterrupt:
         return 130
 
@@ -3333,19 +3750,20 @@ def import_plugins(argv: list[str]) -> tuple[list[str], list[str]]:
     for module in plugins.plugin or []:
         if module.endswith(".py"):
             name = module[:-3].replace("/", ".")
-            raise SystemExit(f"error: --plugin takes a module name, not a file: --plugin {name}")
+            raise UsageError(f"--plugin takes a module name, not a file: --plugin {name}")
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as error:
-            raise SystemExit(f"error: cannot import plug-in {module!r}: {error} (is its folder "
-                             "the current one, or on PYTHONPATH?)") from None
+            raise UsageError(f"cannot import plug-in {module!r}: {error} (is its folder the "
+                             "current one, or on PYTHONPATH?)") from None
     return plugins.plugin or [], rest
 
 
 def import_sac_example() -> None:
-    """sac is an example plug-in that ships beside this file: imported from there, by path."""
+    """sac is an example plug-in that ships beside this file: imported from there, by path, unless
+    it was imported already (by its name, or in a package: `sac` is registered)."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sac_example.py")
-    if os.path.isfile(path) and "sac_example" not in sys.modules:
+    if os.path.isfile(path) and "sac_example" not in sys.modules and "sac" not in _ALGOS:
         spec = importlib.util.spec_from_file_location("sac_example", path)
         sys.modules["sac_example"] = module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -3367,6 +3785,7 @@ def main(argv: list[str] | None = None,
         plugins, words = import_plugins(words)
         commands = {"env-client": env_client_main}
         commands["report"] = report_main  # [report]
+        commands["eval"] = functools.partial(eval_main, command_line=argv is None)  # [eval]
         command = commands.get(words[0] if words else "")
         if command is not None:
             status = command(words[1:])
@@ -3376,24 +3795,24 @@ def main(argv: list[str] | None = None,
                                  background=background,  # [notebook]
                                  at_end=put_back_rng,  # [notebook] a background run's end
                                  command_line=argv is None)
-    except RegistrationError as error:
-        status = _usage_error(error)
-    except SystemExit as stop:  # argparse's --help and usage errors, a one-line error
+    except CommandError as error:  # a usage error (2), a failure it names (1): one line
+        print_failure(error)
+        status = error.status
+        if background:  # [notebook] start() raises it, saying why
+            status = error  # [notebook]
+    except SystemExit as stop:  # argparse's --help and usage errors, a plug-in's sys.exit
         if argv is None:
             raise
-        status = exit_status(stop)
+        if isinstance(stop.code, str):  # printed as Python prints it
+            print(stop.code, file=sys.stderr)
+        status = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
     if argv is None:
         sys.exit(status)
     torch.set_num_threads(threads)  # the server's thread count was set in this thread
-    if isinstance(status, int):  # a run in the background puts them back as it ends (at_end)
+    if isinstance(status, (int, CommandError)):  # a background run: as it ends (at_end)
         put_back_rng()
     return status
 
 
-if __name__ == "__main__":
-    # Run as a script, this file is module __main__. Register it under its own name and as
-    # plugrl_min too, so a plug-in's `from plugrl_min import register_algo` (or the name of a
-    # renamed copy) reaches these registries, not a second copy of the file.
-    for name in ("plugrl_min", os.path.splitext(os.path.basename(__file__))[0]):
-        sys.modules[name] = sys.modules["__main__"]
+if __name__ == "__main__":  # a script: module __main__, known by its other names too (section 10)
     main()

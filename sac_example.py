@@ -27,7 +27,7 @@ from torch import nn
 
 import plugrl_min
 from plugrl_min import (BaseAlgoConfig, BaseAlgorithm, Checkpoint, ObsEncoder, map_arrays,
-                        put_rows, register_algo, register_algo_config)
+                        put_rows, register_algo, register_algo_config, zeros_of)
 
 UID = "sac"  # the name on the command line: python plugrl_min.py dummy-policy default sac default
 
@@ -115,11 +115,10 @@ class ReplayBuffer:
                                 for shape, dtype in frame)
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # this machine's
         if needed > memory:  # allocated, it would fail, or fill the memory midway through the run
-            raise SystemExit(f"error: sac's replay buffer needs {needed:,} bytes, more than this "
-                             f"machine's {memory:,}: lower --algo.buffer-size")
+            raise plugrl_min.UsageError(f"sac's replay buffer needs {needed:,} bytes, more than "
+                                        f"this machine's {memory:,}: lower --algo.buffer-size")
         # np.zeros, not np.zeros_like: untouched pages take no memory until a frame is written.
-        self.obs, self.next_obs = ({key: np.zeros((capacity, *shape), dtype)
-                                    for key, (shape, dtype) in obs_spec.items()} for _ in range(2))
+        self.obs, self.next_obs = (zeros_of(obs_spec, capacity) for _ in range(2))
         self.action = np.zeros((capacity, *action_shape), action_dtype)
         self.reward = np.zeros(capacity, np.float32)
         self.done = np.zeros(capacity, np.float32)
@@ -164,6 +163,10 @@ class SAC(BaseAlgorithm):
 
     def __init__(self, config: SACConfig, policy: plugrl_min.BaseTorchPolicy):
         super().__init__(config=config, policy=policy)
+        if policy.num_actions is not None or not hasattr(policy, "sample"):  # refused at once
+            raise plugrl_min.UsageError(f"sac trains continuous actions through the policy's "
+                                        f"sample(obs), which {type(policy).__name__} lacks: serve "
+                                        "dummy-policy")
         self.updates, self.saved_at = 0, 0
         spec = plugrl_min.obs_spec_of(policy.obs_spec)
         action = self.example_train_state(1)["action"][0]  # [H, action_dim]: one frame's action
@@ -199,8 +202,7 @@ class SAC(BaseAlgorithm):
         """Uniform random actions in [-1, 1] until learning_starts frames are stored, then pi."""
         if self.global_step < self.config.learning_starts:
             n = len(next(iter(obs.values())))  # every key has a row per environment
-            shape = (n, self.policy.action_horizon, self.policy.action_dim)
-            action = (torch.rand(shape) * 2 - 1).numpy()
+            action = (torch.rand((n, *self.policy.action_shape)) * 2 - 1).numpy()
             return action, {"action": action}
         return self.policy.get_action_and_runtime_state(obs)
 
@@ -301,9 +303,8 @@ class SAC(BaseAlgorithm):
         self.critic_target.load_state_dict(meta["critic_target"])
         with torch.no_grad():
             self.log_alpha.copy_(meta["log_alpha"])
-        if checkpoint.optimizer is not None:
-            self.q_optimizer.load_state_dict(checkpoint.optimizer["q"])
-            self.actor_optimizer.load_state_dict(checkpoint.optimizer["actor"])
+        self.q_optimizer.load_state_dict(checkpoint.optimizer["q"])
+        self.actor_optimizer.load_state_dict(checkpoint.optimizer["actor"])
 
 
 if __name__ == "__main__":

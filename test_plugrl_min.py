@@ -76,34 +76,11 @@ bench = pytest.mark.skipif(os.environ.get("PLUGRL_BENCH") != "1",
                            reason="a benchmark: run with PLUGRL_BENCH=1 ... -n 0 -k bench -s")
 
 # The quick contract check: python -m pytest -q test_plugrl_min.py -m contract
-# The headings whose tests test the PlugRL contract itself (the wire and its errors, the registries, the page's
-# troubleshooting, routing and the hooks' order, chains and counts, the page's template, stop, checkpoints and
-# resume) are marked `contract`; none of them pins pg's or sac's internals, so an edit of pg (exercise 8's PPO)
-# keeps them green while it keeps the contract. mark_the_contract() runs at the end of the file.
-CONTRACT_SECTIONS = ("Routing: which frames go to feedback", "Routing: prev_node chains", "Routing: infer batched",
-                     "Stop and resume", "The page's troubleshooting", "The page's minimal template",
-                     "Every dtype and shape round trips", "dtype spellings, byte order",
-                     "A header that would cost the server", "Registries: (uid, variant)",
-                     "What feedback returns, averaged", "Bad input: an error,")
-
-
-def mark_the_contract() -> None:
-    """Mark every test under a heading of CONTRACT_SECTIONS `contract`: a test's heading is the nearest section
-    heading or `# --- ` sub-heading above it."""
-    with warnings.catch_warnings():  # a marker of this file's own: no ini file registers it
-        warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
-        contract = pytest.mark.contract
-    with open(__file__) as file:
-        lines = file.read().splitlines()
-    headings = [(number, line[2:]) for number, line in enumerate(lines, 1)
-                if lines[number - 2].startswith("# =====") and line.startswith("# ") and "=====" not in line]
-    headings += [(number, line[6:]) for number, line in enumerate(lines, 1) if line.startswith("# --- ")]
-    for name, test in list(globals().items()):
-        if name.startswith("test_") and callable(test):
-            start = inspect.getsourcelines(test)[1]
-            heading = max((number, heading) for number, heading in headings if number < start)[1]
-            if heading.startswith(CONTRACT_SECTIONS):
-                test.pytestmark = [*getattr(test, "pytestmark", []), contract.mark]
+# A test of the PlugRL contract itself (the wire and its errors, the registries, the page's troubleshooting,
+# routing and the hooks' order, chains and counts, the page's template, stop, checkpoints and resume) carries
+# @contract where it stands. None of them pins pg's or sac's internals, so an edit of pg (exercise 8's PPO)
+# keeps them green while it keeps the contract.
+contract = pytest.mark.contract
 
 
 # =============================================================================================
@@ -489,6 +466,7 @@ class Probe(plugrl_min.BaseAlgorithm):
     on_policy = False
     learn_every = None  # stored frames between learns (None: never learns)
     learn_seconds = 0.0
+    held = False  # true: each learn lasts until the test sets self.released (at most 60 s), not learn_seconds
     record_episodes = True  # feedback calls record_episode_metrics, as the page's template does
 
     def __init__(self):
@@ -498,6 +476,15 @@ class Probe(plugrl_min.BaseAlgorithm):
         self.discarded, self.stale, self.learns, self.stored_since_learn = 0, 0, 0, 0
         self.episodes_recorded, self.checkpoints, self.learn_threads = 0, 0, []
         self.learning = False  # true while learn_impl runs
+        self.released = threading.Event()  # a held learn ends once the test sets it
+
+    def hold(self):
+        """The learn's own time: learn_seconds asleep, or, held, until the test releases it (a test on a busy
+        machine then needs no learn long enough for what it does meanwhile)."""
+        if not self.held:
+            time.sleep(self.learn_seconds)
+        elif not self.released.wait(60):
+            raise TimeoutError("the test never released the learn")
 
     def infer(self, obs):
         tags = obs["state"][:, 0].copy()
@@ -533,7 +520,7 @@ class Probe(plugrl_min.BaseAlgorithm):
     def learn_impl(self):
         self.learn_threads.append(threading.current_thread())
         self.learning = True
-        time.sleep(self.learn_seconds)
+        self.hold()
         self.learning = False
         self.events.append(("learn",))
         self.learns += 1
@@ -553,9 +540,9 @@ class LearnsEveryFour(Probe):
 
 
 class LearnsOnceAfterTheFirstFrame(Probe):
-    """One learn of half a second, started by the first stored frame."""
+    """One learn, started by the first stored frame, that lasts until the test releases it."""
 
-    learn_seconds = 0.5
+    held = True
 
     def should_learn(self):
         return self.learns == 0 and self.global_step >= 1
@@ -749,26 +736,110 @@ def earlier_run(two_short_runs, tmp_path):
 
 
 # =============================================================================================
-# 1. The env client's loop: an observation out, an action back, feedback out
+# 1. The loop: without the wire, then the env client's half of it over the wire
 # =============================================================================================
+# train_in_process: the hooks driven in one process, writing a served run's record, to the same weights.
 # run_episodes: one infer per round trip, a decision executed, its feedback sent; the client counts
 # what it executed and the episodes it ended (its summary).
 
+# --- The loop without the wire (--in-process): the record of a served run, and the same weights ----------
+
+def tensors_of(tree, prefix="") -> dict:
+    """Every tensor of a checkpoint's payload, by its path: {"model/head.weight": tensor, ...}."""
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
+    return {path: tensor for key, value in items for path, tensor in tensors_of(value, f"{prefix}/{key}").items()}
+
+
+def in_process_and_over_the_wire(tmp_path, words: list[str]) -> tuple[dict, dict]:
+    """The same run (the same seed, one learn thread) in this process's loop without the wire and behind a
+    server with one local client, side by side: the tensors of each one's final checkpoint."""
+    runs = {"in-process": ["--in-process"], "wire": ["--local-env-clients", "1"]}
+    processes = {name: subprocess.Popen([sys.executable, SOURCE, *words, *flags, "--seed", "7", "--learn-threads",
+                                         "1", "--run-dir", str(tmp_path / name)], cwd=tmp_path, env=subprocess_env(),
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for name, flags in runs.items()}
+    for process in processes.values():
+        try:
+            _, err = process.communicate(timeout=240)
+        finally:
+            process.kill()  # after a timeout: no run outlives its test
+        assert process.returncode == 0, err
+    checkpoints = [plugrl_min.checkpoint_paths(tmp_path / name)[-1] for name in runs]
+    assert [os.path.basename(path) for path in checkpoints] == [os.path.basename(checkpoints[0])] * 2
+    return [tensors_of(torch.load(path, weights_only=True)) for path in checkpoints]
+
+
+def test_pg_trained_in_process_and_over_the_wire_ends_on_byte_identical_weights(tmp_path):
+    in_process, wire = in_process_and_over_the_wire(tmp_path, [
+        "dummy-policy", "default", "pg", "default", "--policy.hidden-size", "32", "--local-num-envs", "16",
+        "--algo.frames-per-learn", "256", "--algo.global-steps", "1024"])  # 4 learns of 16 environments
+    assert in_process.keys() == wire.keys() and len(in_process) > 20  # policy, value, optimizers, batch
+    assert [path for path in in_process if not torch.equal(in_process[path], wire[path])] == []
+
+
+def test_sac_trained_in_process_and_over_the_wire_ends_on_byte_identical_weights(tmp_path):
+    in_process, wire = in_process_and_over_the_wire(tmp_path, [
+        "dummy-policy", "default", "sac", "default", "--policy.hidden-size", "32", "--algo.q-hidden-size", "32",
+        "--algo.batch-size", "32", "--algo.learning-starts", "100", "--algo.global-steps", "400"])  # 300 updates
+    assert in_process.keys() == wire.keys() and len(in_process) > 20  # actor, critics, targets, optimizers
+    assert [path for path in in_process if not torch.equal(in_process[path], wire[path])] == []
+
+
+def test_an_in_process_run_writes_the_record_a_served_run_writes(tmp_path):
+    words = ["dummy-policy", "default", "dummy", "default", "--algo.global-steps", "600", "--algo.learn-every",
+             "100", "--algo.save-every", "2", "--log-every", "1", "--local-num-envs", "4", "--seed", "3"]
+    in_process = run_main(*words, "--in-process", "--run-dir", tmp_path / "in-process")
+    served = run_main(*words, "--local-env-clients", "1", "--run-dir", tmp_path / "served")
+    assert in_process[0] == served[0] == 0, in_process[2] + served[2]
+    files = {name: {file for file in os.listdir(tmp_path / name) if not file.startswith("events.out.tfevents")}
+             for name in ("in-process", "served")}
+    assert files["served"] - files["in-process"] == {"env-client-1.log"}  # no client, no client's log
+    assert files["in-process"] == {"config.json", "metrics.jsonl", "checkpoints"}
+    assert checkpoint_steps(tmp_path / "in-process") == checkpoint_steps(tmp_path / "served") == [200, 400, 600]
+    lines = {name: read_metrics(tmp_path / name, event=None) for name in ("in-process", "served")}
+    assert [(line["event"], line["step"], sorted(line)) for line in lines["in-process"]] == [
+        (line["event"], line["step"], sorted(line)) for line in lines["served"]]
+    assert lines["in-process"][-1]["event"] == "end" and "run finished: global step 600" in in_process[1]
+    configs = [json.loads((tmp_path / name / "config.json").read_text()) for name in ("in-process", "served")]
+    assert configs[0] == configs[1] and configs[0]["env"] == "dummy-v1"  # eval reads which environment
+
+
+def test_in_process_with_local_env_clients_is_a_one_line_usage_error(tmp_path):
+    status, out, err = run_main("dummy-policy", "default", "dummy", "default", "--in-process",
+                                "--local-env-clients", "1", "--run-dir", tmp_path / "run")
+    assert status == 2 and not (tmp_path / "run").exists()
+    assert err.strip().splitlines() == ["error: --in-process runs the environments in this process: it takes "
+                                        "--local-num-envs, not --local-env-clients"]
+
+
 # --- One infer per decision, over a real WebSocket, for every closed-loop length K ----------------
 
-def _run_over_the_wire(tmp_path, steps, num_envs, episodes, mode="sum"):
-    """An in-process server (counting its infer calls) and run_env_client, in one event loop."""
+def _run_over_the_wire(tmp_path, steps, num_envs, episodes, mode="sum", env_id="dummy-v1"):
+    """An in-process server and run_env_client, in one event loop. The server counts its infer calls and keeps
+    the reward of every frame fed (counts["rewards"]) and the return and length of every episode the algorithm
+    recorded (counts["episodes"]); it is stopped once it has routed every frame the client sent."""
     config = plugrl_min.DummyAlgoConfig(global_steps=10**9)
     algo = plugrl_min.make_algo("dummy", plugrl_min.make_policy("dummy-policy"), config)
-    counts = {"infer": 0, "rows": 0}
-    original_infer = algo.infer
+    counts = {"infer": 0, "rows": 0, "rewards": [], "episodes": []}
+    original_infer, original_feedback = algo.infer, algo.feedback
+    original_record = algo.record_episode_metrics
 
     def counting_infer(obs):
         counts["infer"] += 1
         counts["rows"] += len(obs["state"])
         return original_infer(obs)
 
-    algo.infer = counting_infer
+    def keeping_feedback(**frame):
+        counts["rewards"].append(np.asarray(frame["reward"]).tolist())
+        return original_feedback(**frame)
+
+    def keeping_episodes(episode):  # fed or discarded, every finished episode the server recorded
+        counts["episodes"].append((float(episode["r"]), int(episode["l"])))
+        original_record(episode)
+
+    algo.infer, algo.feedback, algo.record_episode_metrics = counting_infer, keeping_feedback, keeping_episodes
     server = plugrl_min.Server(algo, str(tmp_path), ("dummy-policy", "dummy"))
     summary_path = tmp_path / "summary.json"
 
@@ -778,12 +849,14 @@ def _run_over_the_wire(tmp_path, steps, num_envs, episodes, mode="sum"):
         done, _ = await asyncio.wait([listening, serving], timeout=10, return_when=asyncio.FIRST_COMPLETED)
         assert listening in done, "the server did not start listening"
         args = argparse.Namespace(
-            env_id="dummy-v1", server_host="127.0.0.1", server_port=listening.result(), num_episodes=episodes,
+            env_id=env_id, server_host="127.0.0.1", server_port=listening.result(), num_episodes=episodes,
             num_envs=num_envs, seed=0, summary_json=str(summary_path), connect_timeout=10, token=None,
             closed_loop_steps=steps, controller="track", reward_aggregation=mode,
             max_message_bytes=plugrl_min.MAX_MESSAGE_BYTES, env_kwargs=None)
         try:
             client_status = await asyncio.wait_for(plugrl_min.run_env_client(args), 60)
+            # Every action the server sent was answered: its last feedback may still wait to be routed.
+            await eventually(lambda: server.frames == counts["rows"], timeout=60)
         finally:
             server.request_stop()
             server_status = await asyncio.wait_for(serving, 30)
@@ -795,6 +868,28 @@ def _run_over_the_wire(tmp_path, steps, num_envs, episodes, mode="sum"):
     return summary, counts, server
 
 
+def test_wire_summary_returns_are_the_returns_of_the_episodes_the_server_recorded(wire_run):
+    _, num_envs, summary, counts, _ = wire_run
+    returns = [episode_return for episode_return, _ in counts["episodes"]]
+    assert summary["returns"] == returns  # each episode's return, in the order the episodes ended
+    assert summary["episodes"] == len(returns) and 12 <= len(returns) < 12 + num_envs  # 12 asked, the last decision
+    assert summary["mean_return"] == pytest.approx(np.mean(returns), rel=1e-9)
+
+
+def test_wire_summary_decisions_are_the_frames_the_server_routed(wire_run):
+    _, num_envs, summary, counts, server = wire_run
+    assert summary["decisions"] == server.frames == counts["rows"] > 0  # each decision of each env: one frame
+    assert summary["decisions"] % num_envs == 0
+
+
+def test_wire_summary_env_steps_are_the_steps_of_its_episodes(wire_run):
+    _, num_envs, summary, counts, _ = wire_run
+    lengths = sum(length for _, length in counts["episodes"])
+    # Episodes still running when the client stopped add their steps: none with one environment (it stops on
+    # an episode's end), fewer than dummy-v1's 50 for each of the others.
+    assert 0 <= summary["env_steps"] - lengths <= (num_envs - 1) * (plugrl_min.DummyEnv.max_steps - 1)
+
+
 WIRE_CASES = [(1, 1), (4, 1), (4, 3), (16, 1)]  # (K, num_envs)
 
 
@@ -803,12 +898,6 @@ def wire_run(request, tmp_path_factory):
     steps, num_envs = request.param
     summary, counts, server = _run_over_the_wire(tmp_path_factory.mktemp("wire"), steps, num_envs, episodes=12)
     return steps, num_envs, summary, counts, server
-
-
-def test_wire_summary_has_its_keys(wire_run):
-    _, _, summary, _, _ = wire_run
-    assert set(summary) >= {"episodes", "mean_return", "env_steps", "decisions", "seconds", "returns"}
-    assert summary["episodes"] >= 12 and len(summary["returns"]) == summary["episodes"]
 
 
 def test_wire_server_infers_once_per_decision(wire_run):
@@ -828,9 +917,26 @@ def test_wire_env_steps_are_about_K_per_decision(wire_run):
         assert env_steps > (steps - 1) * decisions
 
 
-def test_wire_stack_rewards_reach_the_server(tmp_path):
-    summary, counts, _ = _run_over_the_wire(tmp_path, 4, 2, episodes=4, mode="stack")
-    assert summary["episodes"] >= 4 and counts["infer"] * 2 == summary["decisions"]
+class StackSteps(plugrl_min.DummyEnv):
+    """dummy-v1 (for the track controller) whose environment 0's episodes last 2 steps and environment 1's 5, the
+    action ignored; step t of an episode (from 1) of environment i earns 10 * (i + 1) + t."""
+
+    lengths = np.array([2, 5])
+
+    def _step(self, action, rows):
+        t = self.episode_length[rows] + 1  # this step of the episode, counted from 1
+        ended = t >= self.lengths[rows]
+        return 10.0 * (rows + 1) + t, ended, ended
+
+
+def test_wire_stack_rewards_reach_feedback_as_each_env_earned_them_step_by_step(tmp_path, monkeypatch):
+    monkeypatch.setitem(plugrl_min.ENVIRONMENTS, "stack-steps-v0", StackSteps)
+    summary, counts, server = _run_over_the_wire(tmp_path, 4, 2, episodes=6, mode="stack", env_id="stack-steps-v0")
+    # K = 4. Decision 1: env 0 ends after 2 steps while env 1 runs all 4: env 0's row is zero-filled to K.
+    # Decision 2: env 0 ends after 2, env 1 after 1: every env stopped early, so 2 columns and one trailing zero.
+    first, second = [[11, 12, 0, 0], [21, 22, 23, 24]], [[11, 12, 0], [25, 0, 0]]
+    assert summary["decisions"] == 8 and server.discarded == 0  # 4 decisions, all fed
+    assert counts["rewards"] == (first + second) * 2  # frames in order: decision by decision, env 0 then env 1
 
 
 # --- To the end of the run: the page's smoke test (dummy-v1 against dummy) ------------------------
@@ -840,12 +946,23 @@ def test_env_client_exits_0_saying_the_server_ended_the_run(dummy_run):
     assert "the server ended the run" in dummy_run.client_out
 
 
-def test_summary_json_has_the_five_keys(dummy_run):
+def test_summary_json_decisions_and_env_steps_are_the_frames_the_server_routed(dummy_run):
     with open(dummy_run.summary) as file:
         summary = json.load(file)
-    assert {"episodes", "mean_return", "env_steps", "decisions", "seconds"} <= summary.keys()
-    assert summary["decisions"] >= 2000 and summary["env_steps"] >= summary["decisions"]
-    assert summary["episodes"] == len(summary["returns"]) > 0 and summary["seconds"] > 0
+    end = read_metrics(dummy_run.run_dir, event="end")[0]
+    assert summary["decisions"] == end["server/frames"] >= 2000  # each decision's frame routed, stale ones too
+    assert summary["env_steps"] == summary["decisions"]  # dummy-policy's actions last one step
+
+
+def test_summary_json_episodes_and_returns_are_those_the_server_recorded(dummy_run):
+    with open(dummy_run.summary) as file:
+        summary = json.load(file)
+    lines = read_metrics(dummy_run.run_dir, event=None)
+    episodes = sum(line["rollout/episodes"] for line in lines)
+    assert summary["episodes"] == len(summary["returns"]) == episodes > 0
+    recorded = sum(line["rollout/reward"] * line["rollout/episodes"] for line in lines) / episodes
+    assert summary["mean_return"] == pytest.approx(np.mean(summary["returns"]), rel=1e-9)
+    assert summary["mean_return"] == pytest.approx(recorded, rel=1e-6)
 
 
 # --- A connection lost as feedback leaves ----------------------------------------------------
@@ -932,6 +1049,7 @@ def run_three_clients(algo, run_dir, rounds=30):
     return run_server(algo, run_dir, script)[1]
 
 
+@contract
 def test_on_policy_algorithm_is_never_fed_a_frame_from_an_older_policy(tmp_path):
     class OnPolicy(Probe):
         on_policy = True
@@ -944,6 +1062,7 @@ def test_on_policy_algorithm_is_never_fed_a_frame_from_an_older_policy(tmp_path)
     assert algo.discarded > 0 and len(algo.frames) + algo.discarded == sent
 
 
+@contract
 def test_off_policy_algorithm_is_fed_every_frame(tmp_path):
     class OffPolicy(Probe):
         on_policy = False
@@ -956,6 +1075,7 @@ def test_off_policy_algorithm_is_fed_every_frame(tmp_path):
     assert algo.stale > 0  # including frames whose action came from an older policy version
 
 
+@contract
 def test_feedback_terminated_is_the_previous_frames_flag_and_next_terminated_this_ones(tmp_path):
     flags = [(False, False), (True, False), (False, False), (False, True), (True, False), (False, False)]
     algo = Probe()
@@ -972,6 +1092,7 @@ def test_feedback_terminated_is_the_previous_frames_flag_and_next_terminated_thi
     assert got == [(*before, *now) for before, now in zip(previous, flags)]
 
 
+@contract
 def test_feedback_gets_the_obs_it_acted_on_next_obs_and_reward(tmp_path):
     algo = Probe()
 
@@ -988,6 +1109,7 @@ def test_feedback_gets_the_obs_it_acted_on_next_obs_and_reward(tmp_path):
 
 # --- Routing: prev_node chains each environment's stored frames -----------------------------------
 
+@contract
 def test_prev_node_comes_back_to_the_same_environment(tmp_path):
     class ReturnsNodes(Probe):
         def next_node(self, frame):  # an environment-specific counter
@@ -1024,6 +1146,7 @@ class ChainsFrames(Probe):
                                  next_truncated=next_truncated)
 
 
+@contract
 def test_after_a_discarded_frame_the_next_stored_frame_of_that_environment_gets_no_prev_node(tmp_path):
     algo = ChainsFrames()
 
@@ -1054,6 +1177,7 @@ def test_after_a_discarded_frame_the_next_stored_frame_of_that_environment_gets_
     assert restarts > 3  # the three first frames, and at least one after a discard
 
 
+@contract
 def test_prev_node_continues_across_an_episode_end(tmp_path):
     algo = ChainsFrames()
     algo.learn_every = None
@@ -1071,6 +1195,7 @@ def test_prev_node_continues_across_an_episode_end(tmp_path):
     assert [frame["terminated"] for frame in algo.frames] == [False, False, True]
 
 
+@contract
 def test_a_new_connections_environments_start_with_no_prev_node(tmp_path):
     algo = ChainsFrames()
     algo.learn_every = None
@@ -1091,10 +1216,10 @@ def test_a_new_connections_environments_start_with_no_prev_node(tmp_path):
 # --- Routing: infer batched across clients, learn on its own thread, should_stop ends the run -----
 
 class SlowLearner(Probe):
-    """Learns for half a second once every environment of the three clients (1 + 2 + 3) has fed back."""
+    """Learns once every environment of the three clients (1 + 2 + 3) has fed back, until the test releases it."""
 
     learn_every = 6
-    learn_seconds = 0.5
+    held = True
 
 
 def run_queued_clients(run_dir):
@@ -1113,18 +1238,26 @@ def run_queued_clients(run_dir):
         await client.close()
         return reply
 
+    async def release_once_every_infer_waits(server):
+        await eventually(lambda: len(server.inbox) == len(tag_sets), timeout=60)  # queued while learn() runs
+        algo.released.set()
+
     async def script(port, server):
-        return await asyncio.gather(*(one_client(port, tags) for tags in tag_sets))
+        *replies, _ = await asyncio.gather(*(one_client(port, tags) for tags in tag_sets),
+                                           release_once_every_infer_waits(server))
+        return replies
 
     return algo, tag_sets, run_server(algo, run_dir, script)[1]
 
 
+@contract
 def test_clients_waiting_during_learn_are_served_by_one_infer_call(tmp_path):
     algo, _, _ = run_queued_clients(tmp_path)
     learned = algo.events.index(("learn",))
     assert algo.events[learned + 1] == ("infer", [1, 2, 3, 4, 5, 6])
 
 
+@contract
 def test_a_batched_infers_actions_are_split_back_to_their_clients(tmp_path):
     algo, tag_sets, replies = run_queued_clients(tmp_path)
     for tags, reply in zip(tag_sets, replies):
@@ -1133,30 +1266,32 @@ def test_a_batched_infers_actions_are_split_back_to_their_clients(tmp_path):
         assert reply["action"].shape == (len(tags), 1, 1) and reply["action"][:, 0, 0].tolist() == tags
 
 
+@contract
 def test_learn_runs_in_a_worker_thread_while_the_server_keeps_answering(tmp_path):
-    class LearnsForASecond(Probe):
+    class LearnsUntilReleased(Probe):
         learn_every = 1
-        learn_seconds = 1.0
+        held = True
 
-    algo = LearnsForASecond()
+    algo = LearnsUntilReleased()
 
     async def script(port, server):
         first = await Client.connect(port)
-        await first.step([0], [1])  # starts a one-second learn
+        await first.step([0], [1])  # starts a learn that lasts until the test releases it
         await eventually(lambda: algo.learning)
-        started = time.monotonic()
         second = await Client.connect(port)  # handshake and metadata while learn() runs
-        answered = time.monotonic() - started
+        answered_while_learning = algo.learning and algo.learns == 0
+        algo.released.set()
         await eventually(lambda: algo.learns == 1)
         await first.close()
         await second.close()
-        return answered, second.metadata
+        return answered_while_learning, second.metadata
 
-    _, (answered, metadata) = run_server(algo, tmp_path, script)
-    assert answered < 0.5 and metadata["message_type"] == "metadata"
+    _, (answered_while_learning, metadata) = run_server(algo, tmp_path, script)
+    assert answered_while_learning and metadata["message_type"] == "metadata"
     assert algo.learn_threads and algo.learn_threads[0] is not threading.main_thread()
 
 
+@contract
 def test_should_stop_closes_every_client_with_run_finished_and_run_returns_0(tmp_path):
     class StopsAtTen(Probe):
         def should_stop(self):
@@ -1298,6 +1433,7 @@ def test_a_feedback_sent_just_before_leaving_is_stored_even_when_the_server_read
         await leaving.close()  # gone before the server routes its last, complete frame
         await eventually(lambda: len(server.connections) == 1)
         assert algo.learning  # the connection is gone and its last frame not yet routed
+        algo.released.set()
         await eventually(lambda: algo.learns == 1 and not algo.learning)
         await learner.infer([0], [1])  # one more pass of the server loop
         await learner.close()
@@ -1511,6 +1647,7 @@ def stopped_run(tmp_path_factory):
                                  err=server.stderr())
 
 
+@contract
 def test_sigterm_writes_a_final_checkpoint_tells_the_clients_and_exits_0(stopped_run):
     assert stopped_run.status == 0, stopped_run.err
     assert stopped_run.closed == (1000, "run finished")
@@ -1518,6 +1655,7 @@ def test_sigterm_writes_a_final_checkpoint_tells_the_clients_and_exits_0(stopped
     assert checkpoint_steps(stopped_run.run_dir) == [200, 300, 351]
 
 
+@contract
 def test_the_final_checkpoint_holds_every_counter(stopped_run):
     payload = torch.load(stopped_run.run_dir / "checkpoints" / "step_000000000351.pt", weights_only=True)
     assert payload["step"] == 351 and payload["server"]["global_step"] == 351
@@ -1525,11 +1663,13 @@ def test_the_final_checkpoint_holds_every_counter(stopped_run):
     assert payload["meta"] == {"learns": 3, "saved_at_learn": 3, "frames_since_learn": 51}
 
 
+@contract
 def test_the_server_binds_loopback_by_default_and_warns_about_nothing(stopped_run):
     assert "listening on ws://127.0.0.1:" in stopped_run.out
     assert "warning" not in stopped_run.err
 
 
+@contract
 def test_resume_continues_the_global_step_learn_cadence_and_save_cadence_exactly(stopped_run, tmp_path):
     run_dir, port = tmp_path / "run", reserve_port()
     shutil.copytree(stopped_run.run_dir, run_dir)
@@ -1546,6 +1686,7 @@ def test_resume_continues_the_global_step_learn_cadence_and_save_cadence_exactly
     assert payload["meta"] == {"learns": 6, "saved_at_learn": 6, "frames_since_learn": 0}  # and the dummy's, from meta
 
 
+@contract
 def test_sigint_writes_a_final_checkpoint_tells_the_clients_and_exits_0(tmp_path):
     run_dir = tmp_path / "run"
     with Background(tmp_path, "server", dummy_server(run_dir)) as server:
@@ -1562,6 +1703,7 @@ def save_three(run_dir) -> None:
                         {"global_step": 100 * learns, "policy_version": learns})
 
 
+@contract
 def test_a_checkpoint_cut_short_by_a_crash_is_skipped_for_the_one_before(tmp_path, capsys):
     save_three(tmp_path)
     newest = tmp_path / "checkpoints" / "step_000000000300.pt"
@@ -1572,6 +1714,7 @@ def test_a_checkpoint_cut_short_by_a_crash_is_skipped_for_the_one_before(tmp_pat
     assert "skipping damaged checkpoint" in capsys.readouterr().err
 
 
+@contract
 def test_a_save_killed_midway_through_the_file_leaves_the_last_good_checkpoint_the_newest(tmp_path, monkeypatch):
     save_three(tmp_path)
 
@@ -1592,28 +1735,54 @@ def test_a_save_killed_midway_through_the_file_leaves_the_last_good_checkpoint_t
     assert load_newest_checkpoint(str(tmp_path))[0].step == 300
 
 
+@contract
 def test_resume_with_nothing_to_resume_is_a_one_line_error(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     status, out, err = run_main("dummy-policy", "default", "dummy", "default", "--port", "0",
                                 "--run-dir", str(empty), "--resume")  # in this process: it stops before serving
     assert status != 0 and "listening" not in out
-    assert err.strip().splitlines() == [f"error: nothing to resume in {empty}: no loadable checkpoints/step_*.pt"]
+    assert err.strip().splitlines() == [f"error: no loadable checkpoint in {empty} (checkpoints/step_*.pt)"]
 
 
 # --- A run that served nothing saves nothing ------------------------------------------------------
 
-def test_a_run_that_ends_with_no_frame_served_writes_no_checkpoint_and_no_end_line(tmp_path):
+def test_a_run_that_ends_with_no_frame_served_leaves_no_run_directory_behind(tmp_path):
     run_dir = tmp_path / "run"
     with Background(tmp_path, "server", dummy_server(run_dir)) as server:
         server.port()
+        wait_for(lambda: run_dir.exists(), 30, "the run directory")  # claimed once the port is taken
         server.proc.send_signal(signal.SIGTERM)
         assert server.wait(30) == 0, server.stderr()
-    assert checkpoint_steps(run_dir) == [] and metrics_lines(run_dir) == 0
-    assert "no frame was served" in server.stdout()
+    assert not run_dir.exists()  # no checkpoint, no metrics: nothing to keep, and the same --run-dir runs again
+    assert "no frame was served" in server.stdout() and f"the run directory {run_dir} is removed" in server.stdout()
+
+
+def test_resume_drops_a_last_line_of_metrics_cut_short_and_report_reads_the_whole_run(tmp_path):
+    run_dir = tmp_path / "run"
+    words = ["dummy-policy", "default", "dummy", "default", "--in-process", "--algo.learn-every", "100",
+             "--algo.save-every", "1", "--log-every", "1", "--run-dir", run_dir]
+    assert run_main(*words, "--algo.global-steps", "300")[0] == 0
+    path = run_dir / "metrics.jsonl"
+    path.write_text(path.read_text()[:-40])  # a run killed as it wrote its end line
+    status, out, err = run_main(*words, "--algo.global-steps", "600", "--resume")
+    assert status == 0 and f"warning: {path}'s last line was cut short: dropped" in err, err
+    lines = read_metrics(run_dir, event=None)  # every line whole: no line fused with the one cut short
+    assert [line["step"] for line in lines] == [100, 200, 300, 400, 500, 600, 600]
+    status, out, err = run_main("report", run_dir)
+    assert status == 0 and out.startswith(f"A {run_dir}: 600 steps | 6 learns") and err == ""
 
 
 # --- Signals as people and tools send them --------------------------------------------------------
+
+@pytest.mark.parametrize("signum, again", [(signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM")])
+def test_the_first_signal_says_which_signal_again_quits_without_a_checkpoint(signum, again, capsys):
+    server = plugrl_min.Server(dummy_algo(small_policy(), 100), "unused", ("dummy-policy", "dummy"))
+    plugrl_min.on_signal(server, signum, None)
+    assert server.stop_requested and capsys.readouterr().err == (
+        "\nstopping after the learn in progress, if any (a final checkpoint once a frame was served); "
+        f"{again} again, a second or more from now, quits without one\n")
+
 
 ENDLESS_LEARNER = '''
 import dataclasses, sys, time
@@ -1675,14 +1844,13 @@ def test_a_second_sigint_during_a_slow_final_save_exits_at_once_without_a_checkp
         in_a_thread(asyncio.run, feed(server.port()))  # a hand-driven client, until the server is gone
         wait_for(lambda: learns_printed(server) >= 1, 60, "a learn")
         server.proc.send_signal(signal.SIGINT)
-        first = time.monotonic()
         wait_for(lambda: "saving" in server.stdout(), 20, "the final save to begin")
-        # Copies of a signal within 1 s of the first are the same request: the second comes later.
-        time.sleep(max(0.0, first + 1.5 - time.monotonic()))
+        # Copies of a signal within 1 s of the first are the same request: the second comes later. The server
+        # handled the first before it began to save, however late: 1.5 s after the save is seen is later still.
+        time.sleep(1.5)
         server.proc.send_signal(signal.SIGINT)
-        started = time.monotonic()
-        status = server.wait(20)
-    assert status == 130 and time.monotonic() - started < 5
+        status = server.wait(45)  # the save takes 60 s: an exit within 45 s of the second is an exit at once
+    assert status == 130
     assert "without a final checkpoint" in server.stderr()
     assert checkpoint_steps(tmp_path / "run") == []
 
@@ -1943,6 +2111,7 @@ class ConfigOnly(BaseAlgoConfig):
 '''
 
 
+@contract
 def test_a_uid_whose_module_is_not_imported_is_missing_from_help(tmp_path, plugins_in_process):
     write_plugin(tmp_path, "plugrl_test_listed_plugin", LISTED_PLUGIN)  # importable, but nothing imports it
     status, out, err = run_main("dummy-policy", "default", "--help")
@@ -1950,6 +2119,7 @@ def test_a_uid_whose_module_is_not_imported_is_missing_from_help(tmp_path, plugi
     assert re.search(r"^algorithms: .*\bdummy \(default\)", out, re.M) and "plugin-listed" not in out, out
 
 
+@contract
 def test_plugin_puts_its_uid_in_help(tmp_path, plugins_in_process):
     write_plugin(tmp_path, "plugrl_test_listed_plugin", LISTED_PLUGIN)
     status, out, err = run_main("--plugin", "plugrl_test_listed_plugin", "dummy-policy", "default", "--help")
@@ -1969,6 +2139,7 @@ class SharesAField(BaseAlgoConfig):
 
 
 # The plug-in has no algorithm class: the run stops while it builds the algorithm, before it serves.
+@contract
 def test_a_field_in_both_configs_is_a_warning_naming_it(tmp_path, plugins_in_process):
     write_plugin(tmp_path, "plugrl_test_shared_field_plugin", SHARED_FIELD_PLUGIN)
     _, _, err = run_main("--plugin", "plugrl_test_shared_field_plugin", "dummy-policy", "default", "shares-a-field",
@@ -1976,6 +2147,7 @@ def test_a_field_in_both_configs_is_a_warning_naming_it(tmp_path, plugins_in_pro
     assert "'hidden_size' is in both the policy and the algorithm config: keep it in one" in err
 
 
+@contract
 def test_only_the_config_registered_prints_the_config_then_keyerror(tmp_path, plugins_in_process):
     write_plugin(tmp_path, "plugrl_test_config_only_plugin", CONFIG_ONLY_PLUGIN)
     status, out, err = run_main("dummy-policy", "default", "config-only", "default", "--port", "0",
@@ -1987,6 +2159,7 @@ def test_only_the_config_registered_prints_the_config_then_keyerror(tmp_path, pl
     assert "listening on" not in out
 
 
+@contract
 def test_overriding_learn_instead_of_learn_impl_makes_make_algo_raise_typeerror():
     plugrl_min.register_algo_config("overrides-learn")(ShortConfig)
 
@@ -2011,12 +2184,14 @@ async def one_frame_then_closed(port, server):
     return await client.closed()
 
 
+@contract
 def test_a_misnamed_feedback_keyword_fails_the_run_on_its_first_frame(tmp_path):
     status, (code, reason) = run_server(MisnamedKeyword(), tmp_path, one_frame_then_closed)
     assert status == 1
     assert code == 1011 and reason.startswith("server failed: TypeError")
 
 
+@contract
 def test_a_misnamed_feedback_keyword_prints_the_typeerror_in_the_server_log(tmp_path, capsys):
     run_server(MisnamedKeyword(), tmp_path, one_frame_then_closed)
     log = capsys.readouterr().err
@@ -2044,6 +2219,7 @@ def run_episodes_and_read_metrics(algo, run_dir, frames=8, log_every=1):
     return read_metrics(run_dir)
 
 
+@contract
 def test_with_log_every_1_metrics_jsonl_holds_one_object_per_learn_with_rollout_means(tmp_path):
     metrics = run_episodes_and_read_metrics(LearnsEveryFour(), tmp_path)
     assert [line["step"] for line in metrics] == [4, 8]
@@ -2053,6 +2229,7 @@ def test_with_log_every_1_metrics_jsonl_holds_one_object_per_learn_with_rollout_
     assert [line["rollout/episodes"] for line in metrics] == [4, 4]
 
 
+@contract
 def test_rollout_metrics_stay_zero_without_record_episode_metrics(tmp_path):
     metrics = run_episodes_and_read_metrics(ForgetsEpisodes(), tmp_path)
     assert len(metrics) == 2
@@ -2084,6 +2261,7 @@ def run_discarding(algo, run_dir, messages=8):
     return read_metrics(run_dir)
 
 
+@contract
 def test_discarded_frames_still_record_their_finished_episodes(tmp_path):
     algo = OnPolicyLearnsEveryThree()
     metrics = run_discarding(algo, tmp_path)
@@ -2092,6 +2270,7 @@ def test_discarded_frames_still_record_their_finished_episodes(tmp_path):
     assert [line["rollout/episodes"] for line in metrics] == [4, 4, 4, 4]
 
 
+@contract
 def test_a_discard_feedback_override_without_super_loses_those_episodes(tmp_path):
     algo = DiscardsWithoutSuper()
     metrics = run_discarding(algo, tmp_path)
@@ -2100,6 +2279,7 @@ def test_a_discard_feedback_override_without_super_loses_those_episodes(tmp_path
     assert [line["rollout/episodes"] for line in metrics] == [3, 3, 3, 3]
 
 
+@contract
 def test_should_learn_still_true_after_learn_learns_again_without_inferring(tmp_path):
     class LearnsThreeTimes(Probe):
         learns_left = 0
@@ -2136,6 +2316,7 @@ class CountsPasses(Probe):
         return False
 
 
+@contract
 def test_should_save_that_stays_true_writes_a_checkpoint_on_every_pass(tmp_path):
     class AlwaysSaves(CountsPasses):
         def should_save(self):
@@ -2154,6 +2335,7 @@ def test_should_save_that_stays_true_writes_a_checkpoint_on_every_pass(tmp_path)
     assert os.listdir(tmp_path / "checkpoints")
 
 
+@contract
 def test_should_save_that_turns_false_after_create_checkpoint_writes_once(tmp_path):
     class SavesOnce(CountsPasses):
         def should_save(self):
@@ -2263,6 +2445,7 @@ def template_as_plugin() -> str:
 
 # A real server process: how the plug-in is imported into a fresh interpreter (plugrl_min.py as __main__, or
 # the page's `python -c`) is what decides whether it registers where the command line looks.
+@contract
 @pytest.mark.parametrize("launcher", ["--plugin", "python -c"])
 def test_the_pages_template_runs_as_a_plugin_until_global_steps(tmp_path, launcher):
     write_plugin(tmp_path, "plugrl_test_your_module", template_as_plugin())
@@ -2282,6 +2465,7 @@ def test_the_pages_template_runs_as_a_plugin_until_global_steps(tmp_path, launch
 
 
 # A real process: plugrl_min.py runs as __main__ there, and the plug-in imports `plugrl_min`.
+@contract
 def test_a_plugin_importing_plugrl_min_registers_where_the_command_line_looks(tmp_path):
     write_plugin(tmp_path, "plugrl_test_listed_plugin", LISTED_PLUGIN)  # `from plugrl_min import register_algo, ...`
     result = python("plugrl_min.py", "dummy-policy", "default", "plugin-listed", "default", "--algo.global-steps",
@@ -2324,6 +2508,15 @@ class FirstComponent(nn.Module):
 
     def forward(self, obs):
         return obs["state"][:, :1]
+
+
+@pytest.mark.parametrize("flag, value, least", [("frames-per-learn", 1, 2), ("value-epochs", 0, 1),
+                                                ("save-every", 0, 1)])
+def test_pg_refuses_a_value_it_cannot_learn_with_before_serving_in_one_line(flag, value, least, tmp_path):
+    status, out, err = run_main("dummy-policy", "default", "pg", "default", f"--algo.{flag}", value,
+                                "--in-process", "--run-dir", tmp_path / "run")
+    assert status == 2 and "run directory" not in out and not (tmp_path / "run").exists()
+    assert err.strip().splitlines() == [f"error: --algo.{flag} must be at least {least}; got {value}"]
 
 
 def test_pg_bootstraps_a_truncated_segment_with_the_value_of_its_last_observation_not_a_terminated_one():
@@ -2578,10 +2771,31 @@ def round_trip(algo):
     return fresh
 
 
-def test_sac_is_registered_and_off_policy():
-    algo = make_algo("sac", make_policy("dummy-policy"))
-    assert isinstance(algo, sac_example.SAC)
-    assert algo.on_policy is False
+def test_sac_is_fed_a_frame_whose_action_an_older_policy_version_chose(tmp_path, one_torch_thread):
+    config = dataclasses.replace(sac_example.SACConfig(), learning_starts=1, batch_size=2, global_steps=None)
+    algo = make_algo("sac", small_policy(), config)
+    algo.init_optimizers()
+    fed, discarded = [], []  # (the frame's tag, the policy version when it was routed)
+
+    async def script(port, server):
+        original_feedback, original_discard = algo.feedback, algo.discard_feedback
+        algo.feedback = lambda **frame: (fed.append((float(frame["obs"]["state"][0]), server.version)),
+                                         original_feedback(**frame))[1]
+        algo.discard_feedback = lambda **frame: (discarded.append(frame), original_discard(**frame))[1]
+        a, b = await Client.connect(port), await Client.connect(port)
+        await a.infer([0], [1])  # a acts with version 0 ...
+        assert server.version == 0
+        for _ in range(3):
+            await b.step([0], [2])  # ... b's frames make learns due: version 1, 2
+        await eventually(lambda: server.version >= 1)
+        await a.feedback([0], [1])  # a's frame is stale now
+        await eventually(lambda: len(fed) + len(discarded) == 4)
+        await a.close()
+        await b.close()
+
+    status, _ = run_server(algo, tmp_path, script, learn_threads=1)
+    assert status == 0 and discarded == [] and len(fed) == 4
+    assert [version for tag, version in fed if tag == 1] >= [1]  # fed, though a learn came after its action
 
 
 def test_sac_stores_a_stacked_reward_as_its_sum():
@@ -2697,7 +2911,7 @@ def test_sac_refuses_a_buffer_larger_than_the_memory_available_in_one_line_namin
     status, _, err = run_main("dummy-policy", "default", "sac", "default", "--algo.buffer-size", str(10**13),
                               "--algo.global-steps", "none", "--port", "0")
     (line,) = err.strip().splitlines()
-    assert status == 1 and re.search(r"replay buffer needs [\d,]+ bytes", line) and "--algo.buffer-size" in line
+    assert status == 2 and re.search(r"replay buffer needs [\d,]+ bytes", line) and "--algo.buffer-size" in line
 
 
 # --- sac_example.py: its update schedule and checkpoints ------------------------------------------
@@ -2816,6 +3030,7 @@ def random_array(dtype, shape):
     return np.asarray(values).astype(dtype)
 
 
+@contract
 @pytest.mark.parametrize("dtype", ALLOWED_DTYPES)
 def test_every_allowed_dtype_round_trips_in_every_shape(dtype):
     for shape in [(0,), (5,), (2, 3), (2, 0, 4), (1, 1, 1, 2)]:
@@ -2825,6 +3040,7 @@ def test_every_allowed_dtype_round_trips_in_every_shape(dtype):
         np.testing.assert_array_equal(decoded, array)
 
 
+@contract
 def test_0d_arrays_and_numpy_scalars_round_trip_as_0d():
     for dtype in ALLOWED_DTYPES:
         for value in (random_array(dtype, ()), random_array(dtype, ())[()]):  # a 0-d array, a numpy scalar
@@ -2833,6 +3049,7 @@ def test_0d_arrays_and_numpy_scalars_round_trip_as_0d():
             assert decoded == value
 
 
+@contract
 def test_nested_dicts_lists_and_json_values_round_trip():
     inner = np.arange(6, dtype=np.float32).reshape(2, 3)
     message = {"a": {"b": [inner, {"c": np.int64(7)}], "text": "hi", "n": 3, "x": 2.5, "none": None, "yes": True},
@@ -2846,12 +3063,14 @@ def test_nested_dicts_lists_and_json_values_round_trip():
     np.testing.assert_array_equal(decoded["transposed"], inner.T)  # a non-contiguous array keeps its values
 
 
+@contract
 def test_decoded_arrays_are_read_only_views():
     decoded = unpack_message(pack_message({"a": np.zeros(3, np.float32)}))["a"]
     with pytest.raises(ValueError):
         decoded[0] = 1.0
 
 
+@contract
 def test_every_truncation_of_a_frame_is_rejected():
     frame = pack_message({"message_type": "infer", "a": np.arange(3, dtype=np.int32), "b": np.ones((2, 2))})
     for cut in range(len(frame)):
@@ -2859,35 +3078,41 @@ def test_every_truncation_of_a_frame_is_rejected():
             unpack_message(frame[:cut])
 
 
+@contract
 @pytest.mark.parametrize("dtype, nbytes", [("|O", 8), ("<c8", 8), ("<U3", 12), ("|V4", 4), ("<M8[s]", 8)])
 def test_a_header_with_a_disallowed_dtype_is_rejected(dtype, nbytes):
     with pytest.raises(ProtocolError, match="allowed dtype"):
         unpack_message(raw_frame([[dtype, [1]]], bytes(nbytes)))
 
 
+@contract
 @pytest.mark.parametrize("shape, nbytes", [([3], 11), ([2, 2], 12)], ids=["one byte short", "shape wants more"])
 def test_an_array_with_fewer_bytes_than_its_shape_is_rejected(shape, nbytes):
     with pytest.raises(ProtocolError, match="declares"):
         unpack_message(raw_frame([["<i4", shape]], bytes(nbytes)))
 
 
+@contract
 @pytest.mark.parametrize("shape, nbytes", [([3], 13), ([1, 2], 12)], ids=["one byte over", "shape wants fewer"])
 def test_bytes_left_over_after_the_declared_arrays_are_rejected(shape, nbytes):
     with pytest.raises(ProtocolError, match="left over"):
         unpack_message(raw_frame([["<i4", shape]], bytes(nbytes)))
 
 
+@contract
 def test_a_text_frame_is_rejected():
     with pytest.raises(ProtocolError, match="text frame"):
         unpack_message('{"message_type": "infer"}')
 
 
+@contract
 @pytest.mark.parametrize("header", [b"{nope", b"\xff\xfe", b'{"message": {}, "arrays": []'])
 def test_a_header_that_is_not_json_is_rejected(header):
     with pytest.raises(ProtocolError, match="JSON"):
         unpack_message(len(header).to_bytes(4, "little") + header)
 
 
+@contract
 @pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
 def test_a_header_holding_nan_or_infinity_is_rejected(constant):
     # JSON has no such constants (pack_message refuses to write them); Python's json reads them by default.
@@ -2903,11 +3128,13 @@ def test_a_header_holding_nan_or_infinity_is_rejected(constant):
     ([], None),  # a reference to an array that is not declared
     ([["<i4", [1]]], {"x": {"__array__": 0, "extra": 1}}),  # a reference with other keys
 ], ids=["negative dimension", "float dimension", "no shape", "dangling reference", "reference with extra keys"])
+@contract
 def test_a_header_that_misdescribes_its_arrays_is_rejected(arrays, message):
     with pytest.raises(ProtocolError):
         unpack_message(raw_frame(arrays, bytes(4 * len(arrays)), message))
 
 
+@contract
 @pytest.mark.parametrize("array", [np.array([1, "a"], object), np.array([1 + 2j]), np.array(["abc"])],
                          ids=["object", "complex", "unicode"])
 def test_pack_message_refuses_arrays_that_are_not_bool_int_uint_or_float(array):
@@ -2927,6 +3154,7 @@ def raw_frame_spaced(arrays, payload: bytes, message=None, space=b"") -> bytes:
     return len(header).to_bytes(4, "little") + header + payload
 
 
+@contract
 @pytest.mark.parametrize("name", NAMES)
 def test_a_dtype_name_and_its_dtype_str_both_decode(name):
     dtype = np.dtype(name)
@@ -2937,12 +3165,14 @@ def test_a_dtype_name_and_its_dtype_str_both_decode(name):
         np.testing.assert_array_equal(decoded, np.arange(6).astype(dtype).reshape(2, 3))
 
 
+@contract
 def test_pack_writes_dtype_str():
     frame = pack_message({"a": np.zeros(2, np.float32), "b": np.zeros((), bool)})
     header = json.loads(frame[4:4 + int.from_bytes(frame[:4], "little")])
     assert header["arrays"] == [["<f4", [2]], ["|b1", []]]
 
 
+@contract
 @pytest.mark.parametrize("dtype", [">f4", ">i8", ">u2", ">f8"])
 def test_a_big_endian_dtype_is_refused_saying_little_endian(dtype):
     with pytest.raises(ProtocolError, match="little-endian") as info:
@@ -2950,6 +3180,7 @@ def test_a_big_endian_dtype_is_refused_saying_little_endian(dtype):
     assert repr(dtype) in str(info.value)
 
 
+@contract
 @pytest.mark.parametrize("dtype", ["<c8", "complex64", "f", "=f4", "float128", "|O", 5, None,
                                    ["<f4"]])
 def test_an_unknown_dtype_is_named_and_the_accepted_spellings_listed(dtype):
@@ -2959,11 +3190,13 @@ def test_an_unknown_dtype_is_named_and_the_accepted_spellings_listed(dtype):
     assert repr(dtype)[:40] in text and "<f4 or float32" in text and "|b1 or bool" in text
 
 
+@contract
 def test_pack_refuses_a_big_endian_array():
     with pytest.raises(ProtocolError, match="little-endian"):
         pack_message({"a": np.zeros(2, ">f4")})
 
 
+@contract
 @pytest.mark.parametrize("kind", [bytes, bytearray])
 def test_decoded_arrays_are_read_only_views_of_the_frame(kind):
     frame = kind(pack_message({"a": np.arange(4, dtype=np.int32), "b": np.ones((2, 2))}))
@@ -2973,6 +3206,7 @@ def test_decoded_arrays_are_read_only_views_of_the_frame(kind):
         assert np.shares_memory(array, np.frombuffer(frame, np.uint8))  # a view, not a copy
 
 
+@contract
 def test_a_cached_header_still_gets_every_byte_count_check():
     frame = pack_message({"a": np.arange(3, dtype=np.int32)})
     unpack_message(frame)  # now cached
@@ -2982,6 +3216,7 @@ def test_a_cached_header_still_gets_every_byte_count_check():
         unpack_message(frame + b"\0")
 
 
+@contract
 def test_each_decode_of_a_cached_header_gets_its_own_containers():
     frame = pack_message({"a": {"b": [np.zeros(1), 1]}, "s": "x"})
     first = unpack_message(frame)
@@ -2991,6 +3226,7 @@ def test_each_decode_of_a_cached_header_gets_its_own_containers():
     assert second["a"]["b"][1] == 1 and len(second["a"]["b"]) == 2 and "new" not in second["a"]
 
 
+@contract
 def test_the_header_cache_stays_small():
     for i in range(200):
         unpack_message(pack_message({"i": i, "a": np.zeros(1)}))
@@ -2999,6 +3235,7 @@ def test_the_header_cache_stays_small():
     assert all(len(header) <= 4096 for header in plugrl_min._CHECKED_HEADERS)
 
 
+@contract
 def test_round_trip_of_a_long_header_that_is_not_cached():
     message = {"text": "x" * 10000, "a": np.arange(5)}
     decoded = unpack_message(pack_message(message))
@@ -3006,6 +3243,7 @@ def test_round_trip_of_a_long_header_that_is_not_cached():
     np.testing.assert_array_equal(decoded["a"], message["a"])
 
 
+@contract
 def test_nesting_over_the_limit_is_refused_both_ways():
     deep = np.zeros(1)
     for _ in range(plugrl_min._MAX_DEPTH):
@@ -3023,6 +3261,7 @@ def test_nesting_over_the_limit_is_refused_both_ways():
         unpack_message(len(header).to_bytes(4, "little") + header)
 
 
+@contract
 def test_a_message_that_holds_itself_is_a_protocol_error():
     message = {"a": 1}
     message["self"] = message
@@ -3030,22 +3269,26 @@ def test_a_message_that_holds_itself_is_a_protocol_error():
         pack_message(message)
 
 
+@contract
 def test_a_header_with_an_int_of_5000_digits_is_a_protocol_error():
     header = b'{"message": {"x": ' + b"1" * 5000 + b'}, "arrays": []}'
     with pytest.raises(ProtocolError, match="JSON"):
         unpack_message(len(header).to_bytes(4, "little") + header)
 
 
+@contract
 def test_text_after_the_header_object_is_refused():
     with pytest.raises(ProtocolError, match="JSON"):
         unpack_message(raw_frame_spaced([["<i4", [1]]], bytes(4), space=b" "))
 
 
+@contract
 def test_a_message_that_is_itself_a_reference_is_refused():
     with pytest.raises(ProtocolError, match="reference"):
         unpack_message(raw_frame_spaced([["<i4", [1]]], bytes(4), message={"__array__": 0}))
 
 
+@contract
 def test_numpy_scalars_and_0d_arrays_round_trip_as_0d_and_lists_tuples_nest():
     message = {"s": np.float64(2.5), "z": np.array(3, np.int8), "t": (1, np.bool_(True)),
                "l": [{"k": np.uint16(7)}], "n": None, "f": 1.5}
@@ -3056,11 +3299,13 @@ def test_numpy_scalars_and_0d_arrays_round_trip_as_0d_and_lists_tuples_nest():
     assert decoded["l"][0]["k"].dtype == np.uint16 and decoded["n"] is None and decoded["f"] == 1.5
 
 
+@contract
 def test_the_reserved_key_is_refused_at_any_depth():
     with pytest.raises(ProtocolError, match="reserved"):
         pack_message({"a": [{"b": {"__array__": 0}}]})
 
 
+@contract
 def test_no_pickle_anywhere_in_the_code():
     with open(SOURCE, "rb") as file:  # names in the code itself, not in comments or strings
         names = {token.string for token in tokenize.tokenize(file.readline) if token.type == tokenize.NAME}
@@ -3082,6 +3327,7 @@ def raised_by_unpack(frame: bytes):
     return None
 
 
+@contract
 @pytest.mark.parametrize("shape", [[10**12], [2**40, 2**40], [10**6] * 4, [1, 10**15]])
 def test_a_header_declaring_a_huge_array_is_refused_quickly_without_allocating_it(shape):
     frame = frame_declaring([["<f8", shape]])
@@ -3094,20 +3340,23 @@ def test_a_header_declaring_a_huge_array_is_refused_quickly_without_allocating_i
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert elapsed < 0.1 and peak < 2**20
+    assert elapsed < 5 and peak < 2**20  # a loop over 10**12 declared items would take hours
 
 
+@contract
 @pytest.mark.parametrize("shape, payload", [([0, 10**30], b""), ([10**40, 0], b""), ([1] * 100, b"\0" * 8)],
                          ids=["0 x 1e30", "1e40 x 0", "100 axes of 1"])
 def test_a_header_declaring_a_shape_numpy_cannot_make_is_a_protocol_error(shape, payload):
     assert isinstance(raised_by_unpack(frame_declaring([["<f8", shape]], payload)), ProtocolError)
 
 
+@contract
 @pytest.mark.parametrize("dtype", [["<f4"], {"<f4": 1}, 5, None], ids=["list", "object", "number", "null"])
 def test_a_header_whose_dtype_is_not_a_string_is_a_protocol_error(dtype):
     assert isinstance(raised_by_unpack(frame_declaring([[dtype, [1]]], b"\0" * 4)), ProtocolError)
 
 
+@contract
 def test_a_header_nested_too_deeply_is_a_protocol_error():
     depth = 600
     header = b'{"message": {"x": %s}, "arrays": []}' % (b"[" * depth + b"]" * depth)
@@ -3314,6 +3563,7 @@ class Minimal(plugrl_min.BaseAlgorithm):
         return self.global_step, {}
 
 
+@contract
 @pytest.mark.parametrize("decorator, base", [("register_algo_config", ShortConfig),
                                              ("register_policy_config", ShortConfig),
                                              ("register_algo", Minimal),
@@ -3321,10 +3571,11 @@ class Minimal(plugrl_min.BaseAlgorithm):
 def test_registering_the_same_uid_and_variant_twice_raises(decorator, base):
     register = getattr(plugrl_min, decorator)  # config decorators take (uid, variant="default"), classes (uid)
     register(f"twice-{decorator}")(type("First", (base,), {}))
-    with pytest.raises(ValueError, match="is registered twice, by "):
+    with pytest.raises(plugrl_min.UsageError, match="is registered twice, by "):
         register(f"twice-{decorator}")(type("Second", (base,), {}))
 
 
+@contract
 def test_a_config_variant_defaults_to_default():
     plugrl_min.register_algo_config("variants")(dataclasses.dataclass(type("Plain", (ShortConfig,), {})))
     plugrl_min.register_algo_config("variants", "long")(
@@ -3336,6 +3587,7 @@ def test_a_config_variant_defaults_to_default():
     assert plugrl_min.make_algo("variants", policy, variant="long").config.global_steps == 500
 
 
+@contract
 def test_make_algo_of_a_registered_config_without_its_class_raises_keyerror():
     plugrl_min.register_algo_config("config-only-in-process")(ShortConfig)
     with pytest.raises(KeyError) as error:
@@ -3343,6 +3595,7 @@ def test_make_algo_of_a_registered_config_without_its_class_raises_keyerror():
     assert error.value.args == ("Algorithm config-only-in-process is not registered.",)
 
 
+@contract
 def test_make_algo_gives_each_algorithm_its_own_copy_of_the_default_config():
     plugrl_min.register_algo_config("copies")(ShortConfig)
     plugrl_min.register_algo("copies")(type("Copies", (Minimal,), {}))
@@ -3501,6 +3754,19 @@ def test_obs_encoder_scales_uint8_pixels_to_0_1_before_its_convolutions():
     assert seen[0].min().item() == 0.0 and seen[0].max().item() == 1.0
 
 
+@pytest.mark.parametrize("layout, shape", [("CHW", (3, 12, 10)), ("HW", (12, 10))])
+def test_obs_encoder_reads_a_channel_first_or_a_2d_uint8_image_as_the_same_picture_h_w_c(layout, shape):
+    torch.manual_seed(0)
+    pixels = torch.randint(0, 256, (2, 12, 10, 3 if layout == "CHW" else 1), dtype=torch.uint8)  # [B, H, W, C]
+    as_given = pixels.permute(0, 3, 1, 2) if layout == "CHW" else pixels[..., 0]
+    encoder = plugrl_min.ObsEncoder({"image": [list(shape), "uint8"]})
+    hwc = plugrl_min.ObsEncoder({"image": [[12, 10, pixels.shape[-1]], "uint8"]})
+    hwc.load_state_dict(encoder.state_dict())  # the same weights: the same picture must give the same features
+    assert encoder.layouts == {"image": layout} and encoder.features == 64
+    # Equal to float rounding (the convolution's memory order differs); a misread layout differs everywhere.
+    torch.testing.assert_close(encoder({"image": as_given}), hwc({"image": pixels}), rtol=1e-5, atol=1e-6)
+
+
 def test_obs_encoder_of_a_flat_state_has_no_parameters_and_passes_it_through():
     encoder = plugrl_min.ObsEncoder({"state": [[3], "float32"]})
     state = torch.randn(4, 3)
@@ -3511,6 +3777,28 @@ def test_obs_encoder_reads_a_key_of_shape_empty_as_one_feature_a_row():
     encoder = plugrl_min.ObsEncoder({"speed": [[], "float32"], "state": [[2], "float32"]})
     features = encoder({"speed": torch.tensor([1.5, 2.5]), "state": torch.zeros(2, 2)})
     assert encoder.features == 3 and features[:, 0].tolist() == [1.5, 2.5]
+
+
+def test_the_greedy_action_of_dummy_policy_is_the_squashed_mean_of_each_chunk():
+    torch.manual_seed(0)
+    policy = make_policy("dummy-policy", plugrl_min.DummyPolicyConfig(hidden_size=8, action_horizon=2,
+                                                                      action_dim=3))
+    obs = {"state": np.random.default_rng(0).standard_normal((5, 3)).astype(np.float32)}
+    greedy = policy.get_greedy_action(obs)
+    mean, _ = policy.gaussian({"state": torch.from_numpy(obs["state"])})
+    assert greedy.shape == (5, 2, 3) and greedy.dtype == np.float32
+    assert np.array_equal(greedy, torch.tanh(mean).detach().numpy().reshape(5, 2, 3))
+    assert np.array_equal(greedy, policy.get_greedy_action(obs))  # no draw: the same twice
+
+
+def test_the_greedy_action_of_categorical_policy_is_each_observations_most_likely_choice():
+    torch.manual_seed(0)
+    policy = make_policy("categorical-policy", plugrl_min.CategoricalPolicyConfig(num_actions=5, hidden_size=8))
+    obs = {"state": np.random.default_rng(0).standard_normal((64, 4)).astype(np.float32)}
+    greedy = policy.get_greedy_action(obs)
+    probs = policy({"state": torch.from_numpy(obs["state"])}).probs.detach()
+    assert greedy.shape == (64, 1, 1) and greedy.dtype == np.int64
+    assert np.array_equal(greedy[:, 0, 0], probs.argmax(-1).numpy()) and len(set(greedy.ravel())) > 1
 
 
 @pytest.mark.parametrize("uid", ["dummy-policy", "categorical-policy"])
@@ -3565,6 +3853,7 @@ class LogsAlternately(Probe):
         return node, step, {"a": 2.0 * i} if i % 2 == 0 else {"b": torch.tensor(1.0)}
 
 
+@contract
 def test_every_log_key_feedback_returns_is_averaged_into_the_next_metrics_line(tmp_path):
     algo = LogsAlternately()
 
@@ -3578,6 +3867,7 @@ def test_every_log_key_feedback_returns_is_averaged_into_the_next_metrics_line(t
     assert [line["b"] for line in learns] == [1.0, 1.0]
 
 
+@contract
 def test_server_fed_and_discarded_count_every_frame_the_clients_sent(tmp_path):
     algo = LogsAlternately()
 
@@ -3596,6 +3886,7 @@ def test_server_fed_and_discarded_count_every_frame_the_clients_sent(tmp_path):
     assert len(algo.frames) + algo.discarded == sent == 55
 
 
+@contract
 def test_a_run_that_never_learns_still_writes_its_metrics_at_the_end(tmp_path):
     algo = LogsAlternately()
     algo.learn_every = None
@@ -3978,6 +4269,7 @@ def test_every_key_of_a_dict_observation_is_checked_a_wrong_dtype_in_the_second_
     "feedback without an action",
     "infer that owes feedback",
 ])
+@contract
 def test_a_protocol_violation_gets_an_error_then_closes_that_connection_alone(tmp_path, bad):
     algo = Probe()
 
@@ -4300,6 +4592,7 @@ def format_table(tried, examples, good) -> str:
     return "\n".join(lines) + "\n"
 
 
+@contract
 def test_fuzz_every_kind_of_malformed_frame_gets_an_error_and_a_close_while_a_good_client_trains(tmp_path):
     algo = Probe()  # off-policy: every frame with a step state is fed
     tried, examples = collections.defaultdict(collections.Counter), {}
@@ -4351,6 +4644,7 @@ def test_fuzz_every_kind_of_malformed_frame_gets_an_error_and_a_close_while_a_go
     np.array([-3.0]),
     {"r": np.zeros((1, 3), np.float32), "l": np.array([5]), "s": np.array([True]), "mask": np.array([True])},
 ], ids=["without its return", "not a dict", "three returns per environment"])
+@contract
 def test_feedback_with_a_malformed_info_episode_gets_an_error_and_the_server_keeps_running(tmp_path, episode):
     algo = Probe()
 
@@ -4479,7 +4773,7 @@ def test_a_client_silent_after_an_action_is_dropped_after_the_feedback_timeout_a
         stepping = asyncio.create_task(keeps_stepping(good, stop))
         await silent.infer([0], [BAD_TAG])
         acted = time.monotonic()
-        error = await silent.receive()
+        error = unpack_message(await asyncio.wait_for(silent.ws.recv(), 60))
         dropped_after = time.monotonic() - acted
         closed = await silent.closed()
         stop.set()
@@ -4489,9 +4783,11 @@ def test_a_client_silent_after_an_action_is_dropped_after_the_feedback_timeout_a
         await good.close()
         return error["message_type"], dropped_after, closed[0], steps, good_open
 
-    _, (kind, dropped_after, code, steps, good_open) = run_server(algo, tmp_path, script, feedback_timeout=0.5)
+    # 3 s, not 0.5: the good client owes feedback for a moment after every action, and a busy machine can stall
+    # this process (server and clients alike) for half a second; the timeout is the good client's margin.
+    _, (kind, dropped_after, code, steps, good_open) = run_server(algo, tmp_path, script, feedback_timeout=3.0)
     assert kind == "error" and code == 1008
-    assert 0.45 <= dropped_after < 3.0  # the server counts from its send, a little before the client reads
+    assert 2.9 <= dropped_after  # the server counts from its send, a little before the client reads
     assert good_open and steps > 0 and len(algo.frames) == steps
 
 
@@ -4505,20 +4801,18 @@ def test_a_silent_clients_error_message_says_what_happened(tmp_path):
     assert error["message_type"] == "error" and error["message"] == "client silent: no feedback for 0.3 s of serving" and error["hint"]
 
 
-class LearnsOnceForLong(LearnsOnceAfterTheFirstFrame):
-    learn_seconds = 2.0
-
-
 def test_a_client_that_owes_feedback_while_the_server_learns_longer_than_the_timeout_is_kept(tmp_path):
-    algo = LearnsOnceForLong()
+    algo = LearnsOnceAfterTheFirstFrame()
 
     async def script(port, server):
         learner, owing = await Client.connect(port), await Client.connect(port)
         await owing.infer([0], [2])  # owes feedback from here
-        await learner.step([0], [1])  # starts the 2 s learn
+        await learner.step([0], [1])  # starts the learn, which lasts until released
+        await eventually(lambda: algo.learning)
         await asyncio.sleep(1.0)  # silent for twice the timeout, all of it while the server learns
         assert algo.learning
         await owing.feedback([0], [2])
+        algo.released.set()
         again = await owing.infer([0], [2])  # answered once the learn is over
         await owing.feedback([0], [2])
         await eventually(lambda: len(algo.frames) == 3)
@@ -4540,7 +4834,7 @@ def test_an_environment_owing_feedback_past_the_timeout_gets_its_client_dropped_
         await client.infer([0, 1], [1, 2])
         started = time.monotonic()
         try:
-            while time.monotonic() - started < 5.0:  # environment 1 owes all along; 0 keeps answering
+            while time.monotonic() - started < 60.0:  # environment 1 owes all along; 0 keeps answering
                 await client.feedback([0], [1])
                 reply = await client.infer([0], [1])
                 if reply["message_type"] == "error":
@@ -4552,7 +4846,7 @@ def test_an_environment_owing_feedback_past_the_timeout_gets_its_client_dropped_
 
     _, (error, after, (code, reason)) = run_server(algo, tmp_path, script, feedback_timeout=0.5)
     assert code == 1008 and reason == "client silent: no feedback for 0.5 s of serving"
-    assert 0.45 <= after < 3.0
+    assert 0.45 <= after  # never before the timeout; on a busy machine the drop may come a few seconds late
 
 
 class Learns(plugrl_min.DummyAlgorithm):
@@ -4753,8 +5047,8 @@ def test_make_env_with_the_same_seed_gives_the_same_episodes():
     np.testing.assert_array_equal(a.reset(indices=[2])["state"], b.reset(indices=[2])["state"])
 
 
-def test_make_env_unknown_id_is_a_value_error_naming_it():
-    with pytest.raises(ValueError, match="no-such-env"):
+def test_make_env_unknown_id_is_a_usage_error_naming_it():
+    with pytest.raises(plugrl_min.UsageError, match="no-such-env"):
         make_env("no-such-env", 1)
 
 
@@ -5423,7 +5717,7 @@ class TwoKeys(plugrl_min.VecEnv):
 def test_a_client_whose_observation_keys_differ_from_the_servers_stops_naming_the_first_key():
     metadata = {"message_type": "metadata", "protocol_version": 1, "action_dim": 1, "num_actions": None,
                 "action_horizon": 1, "obs_spec": {"state": {"shape": [3], "dtype": "<f4"}}}  # dummy-policy's
-    with pytest.raises(SystemExit, match=r"observation 'image': the policy reads nothing, this environment "
+    with pytest.raises(plugrl_min.CommandError, match=r"observation 'image': the policy reads nothing, this environment "
                                          r"gives uint8 \[16, 16, 3\]"):
         plugrl_min.check_metadata(metadata, MultiAction(TwoKeys(2)), closed_loop=False)
 
@@ -5432,7 +5726,7 @@ def test_a_client_whose_observation_shape_differs_names_the_key_and_both_shapes(
     metadata = {"message_type": "metadata", "protocol_version": 1, "action_dim": 1, "num_actions": None,
                 "action_horizon": 1, "obs_spec": {"image": {"shape": [16, 16, 3], "dtype": "|u1"},
                                                   "state": {"shape": [3], "dtype": "float32"}}}
-    with pytest.raises(SystemExit, match=r"observation 'state': the policy reads float32 \[3\], this environment "
+    with pytest.raises(plugrl_min.CommandError, match=r"observation 'state': the policy reads float32 \[3\], this environment "
                                          r"gives float32 \[2\]"):
         plugrl_min.check_metadata(metadata, MultiAction(TwoKeys(2)), closed_loop=False)
 
@@ -5464,7 +5758,7 @@ def test_env_client_gives_a_clear_error_when_no_server_comes_within_connect_time
     started = time.monotonic()
     status = plugrl_min.env_client_main(["dummy-v1", "--server-port", str(port), "--connect-timeout", "1"])
     elapsed = time.monotonic() - started
-    assert status != 0 and 1.0 <= elapsed < 5.0
+    assert status != 0 and 1.0 <= elapsed < 15.0  # it gives up, well before --connect-timeout's default
     assert f"env-client: no server at ws://127.0.0.1:{port} after 1 s" in capsys.readouterr().err
 
 
@@ -5512,6 +5806,21 @@ def test_env_client_reconnects_after_a_server_restart_and_finishes(tmp_path, cap
     assert second_status == 0 and second.version >= 1 and metrics_lines(tmp_path / "second") >= 1, out
 
 
+def test_a_client_that_stacks_observations_is_refused_when_it_starts_in_one_line(tmp_path):
+    executor = MultiAction(make_env("dummy-v1", 2, seed=0), stack_observations=True)
+    executor.reset()
+
+    async def script(port, server):
+        async with connect(f"ws://127.0.0.1:{port}") as ws:
+            with pytest.raises(plugrl_min.CommandError) as stop:
+                await plugrl_min.run_episodes(ws, executor, 1, {"returns": [], "env_steps": 0, "decisions": 0})
+            return str(stop.value), server.frames
+
+    _, (said, frames) = run_server(dummy_algo(small_policy(), 100), tmp_path / "run", script)
+    assert frames == 0 and said == ("stack_observations gives a frame every physical step's observation, which a "
+                                    "feedback message does not carry: leave it out over the wire")
+
+
 def test_an_open_loop_multiaction_stacks_every_steps_observation_when_asked():
     executor = MultiAction(make_env("dummy-v1", 2, seed=0), stack_observations=True)
     executor.reset()
@@ -5526,6 +5835,30 @@ def test_an_open_loop_multiaction_stacks_every_steps_observation_when_asked():
 # before anything is built or served. Local env clients, plug-ins, and main() as a function.
 
 # --- --help tells the truth -----------------------------------------------------------------------
+
+def parsers_of_every_command(monkeypatch) -> dict:
+    """The argparse parser each command builds, caught as it parses: {command: parser}."""
+    caught = {}
+
+    def catch(parser, args=None, namespace=None):
+        command = parser.prog.split()[2]
+        caught[command if command in ("env-client", "report", "eval") else "server"] = parser
+        raise SystemExit(0)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", catch)
+    for words in (["dummy-policy", "default", "pg", "default"], ["env-client", "dummy-v1"], ["report", "x"],
+                  ["eval", "x"]):
+        run_main(*words)
+    return caught
+
+
+def test_every_flag_with_a_default_says_it_in_its_help(monkeypatch):
+    parsers = parsers_of_every_command(monkeypatch)
+    assert sorted(parsers) == ["env-client", "eval", "report", "server"]
+    silent = [f"{command} {action.option_strings[0]}" for command, parser in parsers.items()
+              for action in parser._actions if action.option_strings and action.default not in (None, False)
+              and action.default is not argparse.SUPPRESS and "default" not in (action.help or "")]
+    assert silent == []
+
 
 def test_help_lists_the_builtin_policy_and_algorithm():
     status, out, _ = run_main("--help")
@@ -5715,17 +6048,30 @@ class Breaks(DummyEnv):
 '''
 
 
-def test_a_local_client_that_exits_nonzero_stops_the_server_with_status_1_naming_it_and_its_error(
-        tmp_path, plugins_in_process, monkeypatch):
+def run_breaks_after_30_steps(tmp_path) -> tuple[int, str]:
+    """A server whose local client's environment raises a ValueError at its 31st step: (status, stderr)."""
     write_plugin(tmp_path, "plugrl_test_breaks", BREAKS_AFTER_30_STEPS)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # for the local client's --plugin
     status, _, err = run_main("dummy-policy", "default", "dummy", "default", "--plugin", "plugrl_test_breaks",
                               "--local-env-clients", "1", "--local-env", "breaks-v0", "--run-dir", tmp_path / "run")
+    return status, err
+
+
+def test_a_local_client_that_exits_nonzero_stops_the_server_with_status_1_naming_it_and_its_error(
+        tmp_path, plugins_in_process):
+    status, err = run_breaks_after_30_steps(tmp_path)
     assert status == 1, err
     (line,) = [line for line in err.splitlines() if "local env client" in line]
-    assert line.startswith("error: local env client 1 exited with status 2: ")
-    assert "breaks-v0 broke at step 30" in line and "env-client-1.log" in line
+    assert line.startswith("error: local env client 1 exited with status 1: ValueError: breaks-v0 broke at step 30")
+    assert "env-client-1.log" in line
     assert checkpoint_steps(tmp_path / "run") == [30]  # the final checkpoint all the same
+
+
+def test_a_value_error_from_an_environment_reaches_the_clients_log_with_its_traceback(tmp_path, plugins_in_process):
+    status, err = run_breaks_after_30_steps(tmp_path)  # a ValueError is the user's bug, not a usage error
+    log = (tmp_path / "run" / "env-client-1.log").read_text()
+    assert status == 1, err
+    assert "Traceback (most recent call last):" in log and 'raise ValueError("breaks-v0 broke at step 30")' in log
+    assert log.rstrip().endswith("ValueError: breaks-v0 broke at step 30")
 
 
 def test_local_clients_that_never_end_share_one_deadline_then_are_killed():
@@ -5739,7 +6085,7 @@ def test_local_clients_that_never_end_share_one_deadline_then_are_killed():
         for process in hung:
             process.kill()
             process.wait()
-    assert 2.0 <= seconds < 4.0 and statuses == [-signal.SIGKILL] * 3  # 2 s in all, not 2 s each
+    assert 2.0 <= seconds < 5.0 and statuses == [-signal.SIGKILL] * 3  # 2 s in all, not 2 s each (6 s)
 
 
 def test_a_local_client_whose_log_cannot_be_read_still_stops_the_run_cleanly_naming_the_log(tmp_path, capsys):
@@ -5804,6 +6150,167 @@ def test_a_renamed_copy_serves_a_plugin_that_imports_it_by_its_new_name(tmp_path
                             stdin=subprocess.DEVNULL)
     assert status.returncode == 0, status.stderr
     assert "run finished: global step 300" in status.stdout
+
+
+# --- A seed, planted anywhere: a copy in a package, a renamed copy, and how each runs -------------
+
+LINE_ENV = '''
+import numpy as np
+from {framework} import VecEnv, register_env
+
+
+@register_env("plugrl-test-line-v0")
+class Line(VecEnv):
+    action_dim, max_steps = 1, 20
+
+    def __init__(self, num_envs, seed=None):
+        self.x = np.zeros(num_envs)
+        super().__init__(num_envs, seed)
+
+    def _reset(self, rows):
+        self.x[rows] = self.rng.uniform(-1, 1, len(rows))
+
+    def _step(self, action, rows):
+        self.x[rows] += 0.1 * np.clip(action[:, 0], -1, 1)
+        return -np.abs(self.x[rows]), np.abs(self.x[rows]) < 0.05, np.abs(self.x[rows]) < 0.05
+
+    def _observe(self):
+        return {{"state": np.stack([self.x, self.x, -self.x], axis=1).astype(np.float32)}}
+'''
+
+
+def plant(tmp_path, layout: str) -> tuple[str, str, str]:
+    """plugrl_min.py and sac_example.py copied as a user copies them, with a plug-in environment that imports
+    the framework by the copy's own name: (the file's path, its module name, the plug-in's module name)."""
+    if layout == "package":  # myproj/rl/plugrl_min.py, and a plug-in in myproj/plugins/ importing it by path
+        for folder in ("myproj", "myproj/rl", "myproj/plugins"):
+            (tmp_path / folder).mkdir()
+            (tmp_path / folder / "__init__.py").write_text("")
+        target, module, plugin = tmp_path / "myproj" / "rl" / "plugrl_min.py", "myproj.rl.plugrl_min", "myproj.plugins.line"
+    else:  # rl_server.py beside the project's own modules
+        target, module, plugin = tmp_path / "rl_server.py", "rl_server", "plugrl_test_line"
+    shutil.copy(SOURCE, target)
+    shutil.copy(os.path.join(HERE, "sac_example.py"), target.parent / "sac_example.py")
+    (tmp_path / (plugin.replace(".", "/") + ".py")).write_text(LINE_ENV.format(framework=module))
+    return str(target), module, plugin
+
+
+def planted_runs(plugin: str, run_dir) -> list[list[str]]:
+    """A short pg on the plug-in's environment, and a short sac on pendulum-v1, each with a local client."""
+    return [["dummy-policy", "default", "pg", "default", "--plugin", plugin, "--local-env", "plugrl-test-line-v0",
+             "--local-env-clients", "1", "--local-num-envs", "4", "--algo.global-steps", "400",
+             "--algo.frames-per-learn", "100", "--run-dir", str(run_dir / "pg")],
+            ["dummy-policy", "default", "sac", "default", "--local-env-clients", "1", "--algo.global-steps", "300",
+             "--algo.learning-starts", "200", "--algo.batch-size", "32", "--run-dir", str(run_dir / "sac")]]
+
+
+@pytest.mark.parametrize("layout, way", [("package", "script"), ("package", "-m"), ("package", "main"),
+                                         ("renamed", "script"), ("renamed", "main")])
+def test_a_copy_in_a_package_or_renamed_runs_pg_and_sac_end_to_end(tmp_path, layout, way):
+    path, module, plugin = plant(tmp_path, layout)
+    elsewhere = tmp_path / "elsewhere"  # main([...]) from a program in another folder, its sys.path set by hand
+    elsewhere.mkdir()
+    for words in planted_runs(plugin, tmp_path / "runs"):
+        if way == "main":
+            program = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import {module} as framework; "
+                       "sys.exit(framework.main(sys.argv[1:]))")
+            command, cwd = ["-c", program, *words], elsewhere
+        else:
+            command, cwd = (["-m", module] if way == "-m" else [path]) + words, tmp_path
+        result = subprocess.run([sys.executable, *command], cwd=cwd, env=subprocess_env(), capture_output=True,
+                                text=True, timeout=180, stdin=subprocess.DEVNULL)
+        assert result.returncode == 0, result.stderr[-3000:]
+        steps = words[words.index("--algo.global-steps") + 1]
+        assert f"run finished: global step {steps}" in result.stdout
+
+
+def test_a_plugin_importing_the_package_path_or_plugrl_min_registers_in_the_one_copy(tmp_path):
+    plant(tmp_path, "package")
+    (tmp_path / "plugrl_test_by_name.py").write_text(  # the README's spelling: from plugrl_min import ...
+        LINE_ENV.format(framework="plugrl_min").replace("plugrl-test-line-v0", "plugrl-test-by-name-v0"))
+    program = ("from myproj.rl import plugrl_min as framework; import myproj.plugins.line, plugrl_test_by_name, sys; "
+               "print(sorted(set(framework.ENVIRONMENTS) & {'plugrl-test-line-v0', 'plugrl-test-by-name-v0'}), "
+               "sys.modules['plugrl_min'] is framework)")
+    result = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, env=subprocess_env(), capture_output=True,
+                            text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert result.stdout.split() == ["['plugrl-test-by-name-v0',", "'plugrl-test-line-v0']", "True"], result.stderr
+
+
+def test_importing_it_beside_an_old_websockets_raises_an_import_error_with_the_one_line(tmp_path):
+    (tmp_path / "websockets").mkdir()
+    (tmp_path / "websockets" / "__init__.py").write_text('__version__ = "15.0.1"\n')
+    program = "\n".join(["try:", "    import plugrl_min", "except ImportError as error:",
+                          "    print('ImportError:', error)", "print('the program goes on')"])
+    result = python("-c", program, pythonpath=tmp_path)
+    assert result.returncode == 0 and result.stdout.splitlines() == [
+        "ImportError: plugrl_min needs websockets 16 or newer; this Python has 15.0.1: pip install -r requirements.txt",
+        "the program goes on"], result.stderr
+
+
+def test_sac_with_a_discrete_policy_is_refused_before_serving_in_one_line_naming_dummy_policy(tmp_path):
+    status, out, err = run_main("categorical-policy", "cartpole", "sac", "default", "--local-env", "cartpole-v1",
+                                "--local-env-clients", "1", "--run-dir", tmp_path / "run")
+    assert status == 2 and "listening" not in out and not (tmp_path / "run").exists()
+    assert err.strip().splitlines() == ["error: sac trains continuous actions through the policy's sample(obs), "
+                                        "which CategoricalPolicy lacks: serve dummy-policy"]
+
+
+BREAKS_WITH_TWO_ENVIRONMENTS = '''
+from plugrl_min import DummyEnv, register_env
+
+
+@register_env("plugrl-test-not-two-v0")
+class NotTwo(DummyEnv):
+    def __init__(self, num_envs, seed=None):
+        if num_envs == 2:  # the server makes one to size its policy; the local client's two fail
+            raise RuntimeError("two environments are one too many")
+        super().__init__(num_envs, seed)
+'''
+
+
+def test_a_start_that_fails_leaves_the_run_directory_as_it_found_it_and_the_same_command_runs_once_fixed(
+        tmp_path, plugins_in_process):
+    write_plugin(tmp_path, "plugrl_test_not_two", BREAKS_WITH_TWO_ENVIRONMENTS)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("the user's own")
+    words = ["dummy-policy", "default", "dummy", "default", "--plugin", "plugrl_test_not_two", "--local-env",
+             "plugrl-test-not-two-v0", "--local-env-clients", "1", "--algo.global-steps", "300", "--run-dir", run_dir]
+    status, out, err = run_main(*words, "--local-num-envs", "2")
+    assert status == 1 and "RuntimeError: two environments are one too many" in err  # the client's log, printed
+    assert os.listdir(run_dir) == ["notes.txt"] and f"the run directory {run_dir} is as it was" in out
+    status, out, err = run_main(*words, "--local-num-envs", "1")
+    assert status == 0, err
+    assert checkpoint_steps(run_dir) == [300] and (run_dir / "notes.txt").read_text() == "the user's own"
+
+
+GYM_IN_THE_SCRIPT = '''
+import sys
+import gymnasium
+import plugrl_min
+from gymnasium.envs.classic_control.cartpole import CartPoleEnv
+
+
+class InTheScript(CartPoleEnv):
+    pass
+
+
+gymnasium.register("PlugrlInTheScript-v0", entry_point=InTheScript, max_episode_steps=50)
+sys.exit(plugrl_min.main(["categorical-policy", "default", "pg", "default", "--local-env",
+                          "gym:PlugrlInTheScript-v0", "--local-env-clients", "1", "--run-dir", sys.argv[1]]))
+'''
+
+
+def test_a_gym_environment_registered_in_the_starting_script_is_refused_saying_where_to_register_it(tmp_path):
+    gymnasium_or_skip()
+    (tmp_path / "train.py").write_text(GYM_IN_THE_SCRIPT)
+    result = subprocess.run([sys.executable, "train.py", str(tmp_path / "run")], cwd=tmp_path,
+                            env=subprocess_env(HERE), capture_output=True, text=True, timeout=120,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 2 and "listening" not in result.stdout and not (tmp_path / "run").exists()
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: environment 'gym:PlugrlInTheScript-v0' is defined in __main__, which the --local-env-clients "
+        "processes cannot import: define it in a module and add --plugin MODULE (gym:MODULE:ID for a Gymnasium one)")
 
 
 # --- main(): a function that returns the status ---------------------------------------------------
@@ -6054,7 +6561,7 @@ def test_busy_seconds_count_only_this_processs_cores_and_a_core_kept_busy_counts
     try:
         time.sleep(0.2)  # the spinner is up
         started, before = time.monotonic(), plugrl_min.busy_seconds()
-        time.sleep(1.0)
+        time.sleep(3.0)  # a stall of this process between its two readings skews them: 3 s keeps it small
         busy, elapsed = plugrl_min.busy_seconds() - before, time.monotonic() - started
     finally:
         spinner.kill()
@@ -6295,7 +6802,7 @@ def test_two_ranks_and_a_local_client_train_pg_on_dummy_v1_to_the_bar_of_one_pro
     assert two_ranks.second_status == 0 and two_ranks.second_exits == {"rank0": 0, "rank1": 0}, two_ranks.second_out
     assert two_ranks.second_rank_1_status == 0
     curve = plugrl_min.return_curve(read_metrics(two_ranks.run_dir, None))
-    assert curve[-1][0] == TWO_RANK_STEPS and curve[-1][1] >= -5.0, curve[-5:]
+    assert curve[-1][0] == TWO_RANK_STEPS and curve[-1][1] >= -5.0 and curve[-1][2] >= 100, curve[-5:]
     steps = checkpoint_steps(two_ranks.run_dir)
     assert steps == sorted(steps) and steps[-1] == TWO_RANK_STEPS  # one series: the first part's, then the resumed
 
@@ -6533,7 +7040,7 @@ def test_without_tensorboard_the_run_is_the_same_and_says_nothing_of_it(tmp_path
 # =============================================================================================
 
 REPORT_LINE = re.compile(r"A (.+): ([\d,]+) steps \| (\d+) learns \| ([\d,]+) discarded \| ([\d,]+) episodes \| "
-                         r"last 100\+ episodes (-?[\d.]+) \| best (-?[\d.]+)")
+                         r"all (\d+) episodes (-?[\d.]+)")  # fewer than 100 ended: their mean, and no best of 100+
 
 
 def test_every_run_ends_with_a_report_of_its_run_directory_and_a_chart_of_its_return(short_run):
@@ -6541,24 +7048,23 @@ def test_every_run_ends_with_a_report_of_its_run_directory_and_a_chart_of_its_re
     printed = short_run.out.split("run finished: global step 400, 4 learns\n", 1)[1]
     assert printed.rstrip("\n") == plugrl_min.report([str(short_run.run_dir)])  # the report of the run dir
     summary, *chart = printed.splitlines()
-    run_dir, steps, learns, discarded, episodes, last, best = REPORT_LINE.fullmatch(summary).groups()
+    run_dir, steps, learns, discarded, episodes, averaged, mean = REPORT_LINE.fullmatch(summary).groups()
     lines = short_run.lines
     assert run_dir == str(short_run.run_dir) and (steps, learns) == ("400", "4")
     assert int(discarded.replace(",", "")) == sum(line["server/discarded"] for line in lines)
-    assert int(episodes.replace(",", "")) == sum(line["rollout/episodes"] for line in lines) > 0
+    assert int(episodes.replace(",", "")) == int(averaged) == sum(line["rollout/episodes"] for line in lines) > 0
     seen = [(line["rollout/episodes"], line["rollout/reward"]) for line in lines if line["rollout/episodes"]]
-    assert sum(count for count, _ in seen) <= 100  # so the last 100+ episodes are all of them, at every line
-    means = [sum(count * mean for count, mean in seen[:k]) / sum(count for count, _ in seen[:k])
-             for k in range(1, len(seen) + 1)]  # each line's rollout/reward weighted by its episodes
-    assert float(last) == pytest.approx(means[-1], abs=0.01) and float(best) == pytest.approx(max(means), abs=0.01)
-    assert chart[0] == "mean return of the last 100+ episodes, by step" and len(chart) == 1 + 12 + 2
+    assert sum(count for count, _ in seen) < 100  # so the figure averages all of them, and says so
+    overall = sum(count * mean for count, mean in seen) / sum(count for count, _ in seen)  # weighted by episodes
+    assert float(mean) == pytest.approx(overall, abs=0.01)
+    assert chart[0] == "mean return of the last 100+ episodes (of all, before 100 ended), by step" and len(chart) == 1 + 12 + 2
     assert sum(row.count("A") for row in chart[1:13]) >= 1  # the run's curve, drawn with its mark
 
 
 def test_the_text_chart_draws_a_curve_with_its_mark_on_a_dozen_rows_from_its_highest_mean_to_its_lowest():
     curve = [(100 * i, float(i)) for i in range(1, 101)]
     title, *rows, axis, steps = plugrl_min.text_chart({"A": curve}).splitlines()
-    assert title == "mean return of the last 100+ episodes, by step" and len(rows) == 12
+    assert title == "mean return of the last 100+ episodes (of all, before 100 ended), by step" and len(rows) == 12
     assert rows[0].startswith("    100.00 |") and rows[-1].startswith("      1.00 |")
     assert all(len(row) == len("      1.00 |") + 60 for row in rows) and axis == " " * 11 + "+" + "-" * 60
     assert steps.split() == ["0", "10,000"]
@@ -6574,19 +7080,20 @@ def test_the_chart_marks_a_cell_two_runs_share_with_a_star():
 
 def test_the_run_ends_with_the_report_of_its_run_directory(sac_run_logged_every_300):
     stdout = sac_run_logged_every_300.stdout
-    assert re.search(r"^A \S+: 1,000 steps \| 800 learns \| 0 discarded \| [\d,]+ episodes \| "
-                     r"last 100\+ episodes -?\d+\.\d\d \| best -?\d+\.\d\d$", stdout, re.M), stdout
+    assert re.search(r"^A \S+: 1,000 steps \| 800 learns \| 0 discarded \| ([\d,]+) episodes \| "
+                     r"all \1 episodes -?\d+\.\d\d$", stdout, re.M), stdout
 
 
-def last_100_by_hand(lines) -> float:
-    """The newest lines until they hold 100 episodes; their mean return, weighted by their episodes."""
-    held, total, weighted = 0, 0, 0.0
+def last_100_by_hand(lines) -> float | None:
+    """The newest lines until they hold 100 episodes: their mean return, weighted by their episodes; None while
+    fewer than 100 have ended (no mean of 100+ episodes exists yet)."""
+    held, weighted = 0, 0.0
     for line in reversed(lines):
         if held >= 100:
             break
         held += line["rollout/episodes"]
         weighted += line["rollout/episodes"] * line["rollout/reward"]
-    return weighted / held
+    return weighted / held if held >= 100 else None
 
 
 def report_of(runs, reach=None) -> list[str]:
@@ -6607,14 +7114,16 @@ def test_report_gives_each_runs_last_100_episodes_as_their_true_mean(two_short_r
 def test_report_gives_the_best_last_100_mean_over_the_run(two_short_runs):
     row = report_of(two_short_runs[:1])[0]
     lines = read_metrics(two_short_runs[0], None)
-    best = max(last_100_by_hand(lines[:end]) for end in range(1, len(lines) + 1) if lines[end - 1]["rollout/episodes"])
+    means = [last_100_by_hand(lines[:end]) for end in range(1, len(lines) + 1) if lines[end - 1]["rollout/episodes"]]
+    assert None in means  # the first lines hold fewer than 100 episodes: they make no "best"
+    best = max(mean for mean in means if mean is not None)
     assert row.endswith(f"| best {best:.2f}")
 
 
 def test_report_reach_gives_the_first_step_at_which_the_last_100_mean_reached_it(two_short_runs):
     lines = read_metrics(two_short_runs[0], None)
     means = [(line["step"], last_100_by_hand(lines[:end])) for end, line in enumerate(lines, 1)
-             if line["rollout/episodes"]]
+             if line["rollout/episodes"] and last_100_by_hand(lines[:end]) is not None]
     reach = round(sorted(mean for _, mean in means)[len(means) // 2], 2)  # the median: reached, not at once
     first = next(step for step, mean in means if mean >= reach)
     rows = report_of(two_short_runs[:1], reach) + report_of(two_short_runs[:1], 1000)
@@ -6624,7 +7133,7 @@ def test_report_reach_gives_the_first_step_at_which_the_last_100_mean_reached_it
 
 def test_report_draws_every_run_on_the_same_axes_each_with_its_letter(two_short_runs):
     chart = report_of(two_short_runs)[2:]
-    assert chart[0] == "mean return of the last 100+ episodes, by step"
+    assert chart[0] == "mean return of the last 100+ episodes (of all, before 100 ended), by step"
     plotted = "".join(row.split("|", 1)[1] for row in chart[1:13])
     assert set(plotted) == {" ", "A", "B"} and chart[-1].strip() == "0" + " " * 55 + "6,000"
 
@@ -6639,7 +7148,7 @@ def test_report_of_28_runs_lists_all_28_and_says_the_chart_draws_a_to_z(two_shor
     rows = report_of(runs)
     listed = [row.split(" ", 2)[:2] for row in rows[:28]]
     assert listed == [[mark, run + ":"] for mark, run in zip([*string.ascii_uppercase, "AA", "AB"], runs)]
-    assert rows[28] == "mean return of the last 100+ episodes, by step (runs A to Z are drawn; 2 more are not)"
+    assert rows[28] == "mean return of the last 100+ episodes (of all, before 100 ended), by step (runs A to Z are drawn; 2 more are not)"
 
 
 @pytest.mark.parametrize("what", ["a missing directory", "an empty metrics.jsonl"])
@@ -6679,7 +7188,29 @@ def test_report_last_n_gives_the_mean_return_of_the_last_n_episodes(tmp_path, ca
     assert plugrl_min.main(["report", str(tmp_path), "--last", "10"]) == 0
     out = capsys.readouterr().out
     assert "| last 10+ episodes 3.50 |" in out  # the newest two lines, five episodes each: (3 + 4) / 2
-    assert "mean return of the last 10+ episodes, by step" in out
+    assert "mean return of the last 10+ episodes (of all, before 10 ended), by step" in out
+
+
+def write_metrics(run, *lines) -> None:
+    """A run's metrics.jsonl of learn lines (step, episodes, their mean return), as a run writes them."""
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({
+        "event": "learn", "step": step, "rollout/episodes": episodes, "rollout/reward": reward,
+        "server/policy_version": i, "server/discarded": 0}) + "\n" for i, (step, episodes, reward) in enumerate(lines)))
+
+
+def test_report_takes_best_and_reach_only_from_windows_of_100_or_more_episodes(tmp_path):
+    run = tmp_path / "run"  # one episode at -1 first: a window of one episode must not make the best
+    write_metrics(run, (10, 1, -1.0), *[(20 * i, 50, -20.0) for i in range(1, 11)])
+    (row, *_) = report_of([str(run)], reach=-5)
+    assert row.endswith(" | last 100+ episodes -20.00 | best -20.00 | -5 never reached"), row
+
+
+def test_report_of_a_run_with_fewer_episodes_than_n_says_it_averaged_all_of_them(tmp_path):
+    run = tmp_path / "run"
+    write_metrics(run, (10, 1, -6.0), (20, 2, -7.5))
+    (row, *_) = report_of([str(run)], reach=-100)
+    assert row == f"A {run}: 20 steps | 1 learns | 0 discarded | 3 episodes | all 3 episodes -7.00 | -100 never reached"
 
 
 # =============================================================================================
@@ -6888,7 +7419,8 @@ def test_start_on_a_taken_port_in_a_notebook_raises_after_the_line_that_names_th
         port = taken.getsockname()[1]
         said = kernel.run(f"training = plugrl_min.start({notebook_words(tmp_path / 'run', 4096)[:4] + ['--port', str(port)]!r})")
     assert f"error: cannot listen on 127.0.0.1:{port}" in said, said[-3000:]
-    assert "ERROR RuntimeError: the run did not start (exit status 1;" in said, said[-3000:]
+    assert f"ERROR RuntimeError: the run did not start (exit status 1): cannot listen on 127.0.0.1:{port}: " in said, \
+        said[-3000:]  # the exception names the address too
 
 
 RACER = """
@@ -7067,9 +7599,9 @@ register_algo_config("pg")(type("TwiceConfig", (PGConfig,), {}))
 @pytest.mark.parametrize("failure, words, line, status", [
     ("building", ["broken", "default", "--plugin", "plugrl_test_broken"],
      "error: building algorithm 'broken' from its config failed (the traceback above says why)", 1),
-    ("resume", ["dummy", "default", "--resume", "--run-dir", "EMPTY"], "error: nothing to resume in ", 1),
+    ("resume", ["dummy", "default", "--resume", "--run-dir", "EMPTY"], "error: no loadable checkpoint in ", 1),
     ("missing plug-in", ["dummy", "default", "--plugin", "plugrl_test_not_there"],
-     "error: cannot import plug-in 'plugrl_test_not_there'", 1),
+     "error: cannot import plug-in 'plugrl_test_not_there'", 2),
     ("registered twice", ["dummy", "default", "--plugin", "plugrl_test_twice"],
      "error: algorithm config pg/default is registered twice, by plugrl_min and by plugrl_test_twice", 2)])
 def test_start_fails_before_serving_as_main_does_then_raises_naming_the_status(failure, words, line, status, tmp_path,
@@ -7082,41 +7614,40 @@ def test_start_fails_before_serving_as_main_does_then_raises_naming_the_status(f
     assert plugrl_min.main(words) == status
     by_main = capsys.readouterr().err
     assert line in by_main.splitlines()[-1], by_main
-    with pytest.raises(RuntimeError, match=rf"^the run did not start \(exit status {status};"):
+    with pytest.raises(RuntimeError) as stop:
         plugrl_min.start(words)
     by_start = capsys.readouterr().err
     assert by_start.splitlines()[-1] == by_main.splitlines()[-1], by_start
+    reason = by_main.splitlines()[-1].removeprefix("error: ")  # the exception says it too
+    assert str(stop.value) == f"the run did not start (exit status {status}): {reason}"
 
 
 # =============================================================================================
 # [pendulum] pendulum-v1: Gymnasium's Pendulum-v1, in numpy
 # =============================================================================================
 
-def _gym_pendulum_step(th, thdot, a):
-    """Gymnasium Pendulum-v1, written out: g=10, m=1, l=1, dt=0.05, max speed 8, max torque 2."""
-    g, m, l, dt = 10.0, 1.0, 1.0, 0.05
-    u = min(max(2.0 * a, -2.0), 2.0)
-    normalized = ((th + math.pi) % (2 * math.pi)) - math.pi
-    cost = normalized**2 + 0.1 * thdot**2 + 0.001 * u**2
-    newthdot = min(max(thdot + (3 * g / (2 * l) * math.sin(th) + 3.0 / (m * l**2) * u) * dt, -8.0), 8.0)
-    newth = th + newthdot * dt
-    return [math.cos(newth), math.sin(newth), newthdot], -cost
-
-
-@pytest.mark.parametrize("th, thdot, a", [
-    (1.0, 0.5, 0.3),  # plain step
-    (1.5, 7.9, 1.0),  # speed clipped at +8
-    (4.0, -7.95, -1.0),  # angle normalized for the cost, speed clipped at -8
+@pytest.mark.parametrize("th, thdot", [
+    (1.0, 0.5),  # plain steps
+    (1.5, 7.9),  # speed clipped at +8
+    (4.0, -7.95),  # angle normalized for the cost, speed clipped at -8
+    (-3.1, 0.0),  # hanging near the bottom, across the ±π wrap
 ])
-def test_pendulum_step_matches_gymnasium_pendulum_v1(th, thdot, a):
-    env = make_env("pendulum-v1", 1, seed=0)
-    env.reset()
-    env.theta[:], env.theta_dot[:] = th, thdot
-    obs, reward, terminated, truncated, _ = env.step(np.array([[a]], np.float32))
-    expected_obs, expected_reward = _gym_pendulum_step(th, thdot, a)
-    np.testing.assert_allclose(obs["state"][0], expected_obs, rtol=1e-5, atol=1e-6)
-    assert reward[0] == pytest.approx(expected_reward, rel=1e-5)
-    assert not terminated[0] and not truncated[0]
+def test_pendulum_v1_steps_as_gymnasiums_pendulum_v1_for_a_whole_episode(th, thdot):
+    gymnasium = gymnasium_or_skip()
+    theirs = gymnasium.make("Pendulum-v1")  # with its time limit
+    theirs.reset(seed=0)
+    theirs.unwrapped.state = np.array([th, thdot])
+    ours = make_env("pendulum-v1", 1, seed=0)
+    ours.reset()
+    ours.theta[:], ours.theta_dot[:] = th, thdot
+    actions = np.random.default_rng(0).uniform(-1.5, 1.5, 200)  # past [-1, 1] too: both clip the torque at 2
+    for step, action in enumerate(actions):
+        obs, reward, terminated, truncated, _ = theirs.step(np.array([2.0 * action]))  # torque = 2 * a
+        our_obs, our_reward, our_terminated, our_truncated, _ = ours.step(np.array([[action]]))
+        np.testing.assert_allclose(our_obs["state"][0], obs, rtol=1e-5, atol=1e-5, err_msg=f"step {step}")
+        assert our_reward[0] == pytest.approx(reward, rel=1e-5, abs=1e-6), step
+        assert (bool(our_terminated[0]), bool(our_truncated[0])) == (terminated, truncated), step
+    assert truncated  # the 200th step ends both
 
 
 def test_pendulum_known_step_by_hand():
@@ -7197,18 +7728,35 @@ def test_a_categorical_policy_server_runs_cartpole_episodes_over_the_wire(tmp_pa
 # =============================================================================================
 # A test of gymnasium skips only when gymnasium is not installed.
 
-def test_gym_cartpole_runs_through_the_discrete_action_path(tmp_path):
-    gymnasium_or_skip()
+def test_gym_cartpoles_choices_push_the_cart_as_they_push_gymnasiums_own_cartpole_v1():
+    gymnasium = gymnasium_or_skip()
     env = make_env("gym:CartPole-v1", 2, seed=0)
     assert (env.num_actions, env.action_dim, env.max_steps) == (2, 1, 500)
-    assert env.obs_spec == {"state": ((4,), "float32")}
     executor = MultiAction(env)
     executor.reset()
-    for _ in range(30):
-        obs, reward, terminated, truncated, _ = executor.step(np.ones((2, 1, 1), np.int64))
-        if (terminated | truncated).any():
-            executor.reset(np.flatnonzero(terminated | truncated))
-    assert obs["state"].shape == (2, 4) and reward.tolist() == [1.0, 1.0]
+    theirs = [gymnasium.make("CartPole-v1") for _ in range(2)]
+
+    def same_start(i):  # Gymnasium's CartPole from the state our environment i starts in
+        theirs[i].reset(seed=0)
+        theirs[i].unwrapped.state = np.array(env.envs[i].unwrapped.state, np.float64)
+
+    for i in range(2):
+        same_start(i)
+    rng, endings = np.random.default_rng(0), 0
+    for _ in range(300):
+        choices = rng.integers(0, 2, 2)  # each environment its own
+        speed = executor.obs["state"][:, 1].copy()  # x'
+        obs, reward, terminated, truncated, _ = executor.step(choices.reshape(2, 1, 1))
+        for i, choice in enumerate(choices.tolist()):
+            expected, expected_reward, ended, cut, _ = theirs[i].step(choice)
+            np.testing.assert_array_equal(obs["state"][i], expected)
+            assert (reward[i], terminated[i], truncated[i]) == (expected_reward, ended, cut)
+            assert np.sign(obs["state"][i, 1] - speed[i]) == (1 if choice == 1 else -1)  # 0 pushes left, 1 right
+        for i in np.flatnonzero(terminated | truncated):
+            executor.reset([i])
+            same_start(i)
+            endings += 1
+    assert endings > 5  # episode ends and the starts after them were compared too
 
 
 def test_gym_environment_with_another_action_space_is_refused_naming_it():
@@ -7220,7 +7768,7 @@ def test_gym_environment_with_another_action_space_is_refused_naming_it():
 
     if "TwoKnobs-v0" not in gymnasium.registry:
         gymnasium.register("TwoKnobs-v0", entry_point=TwoKnobs)
-    with pytest.raises(SystemExit, match="has a MultiDiscrete action space; plugrl_min runs Box and Discrete"):
+    with pytest.raises(plugrl_min.UsageError, match="has a MultiDiscrete action space; plugrl_min runs Box and Discrete"):
         make_env("gym:TwoKnobs-v0", 1)
 
 
@@ -7235,7 +7783,7 @@ def test_an_unknown_gym_id_is_a_one_line_usage_error_at_the_servers_start(tmp_pa
 
 def test_gym_environment_without_gymnasium_says_which_package_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "gymnasium", None)  # as if it were not installed: its import fails
-    with pytest.raises(SystemExit, match="pip install gymnasium"):
+    with pytest.raises(plugrl_min.CommandError, match="pip install gymnasium"):
         make_env("gym:Pendulum-v1", 1)
 
 
@@ -7336,7 +7884,7 @@ def test_keyword_arguments_reach_a_registered_vecenvs_constructor(monkeypatch):
 
 
 def test_a_keyword_argument_the_environment_does_not_take_is_one_line_naming_it():
-    with pytest.raises(ValueError, match=r"refused the keyword arguments \{'no_such': 1\}"):
+    with pytest.raises(plugrl_min.UsageError, match=r"refused the keyword arguments \{'no_such': 1\}"):
         make_env(state_env(), 1, kwargs={"no_such": 1})
 
 
@@ -7361,6 +7909,31 @@ def test_a_box_image_observation_is_the_key_image_and_stays_uint8_h_w_c():
     assert env.obs_spec == {"image": ((6, 8, 3), "uint8")}
     image = env.reset()["image"]
     assert image.dtype == np.uint8 and image.shape == (2, 6, 8, 3) and image.max() == 200
+
+
+@pytest.mark.parametrize("shape, layout", [((3, 8, 6), "CHW"), ((8, 6), "HW")])
+def test_a_channel_first_or_2d_uint8_box_is_the_key_image_as_it_is_read_by_its_layout(shape, layout):
+    gymnasium_or_skip()
+    from gymnasium.spaces import Box
+    core = core_env_class(Box(0, 255, shape, np.uint8), lambda t: np.full(shape, 200 + t, np.uint8))
+    env = make_env(register_once(f"PlugrlImage{layout}-v0", core), 2, seed=0)
+    assert env.obs_spec == {"image": (shape, "uint8")} and env.reset()["image"].shape == (2, *shape)
+    assert plugrl_min.ObsEncoder(env.obs_spec).layouts == {"image": layout}
+
+
+@pytest.mark.parametrize("low, high", [(-np.inf, np.inf), (0.0, np.inf)])
+def test_an_unbounded_box_action_is_refused_before_serving_in_one_line(tmp_path, low, high):
+    gymnasium_or_skip()
+    from gymnasium.spaces import Box
+    core = core_env_class(Box(-1, 1, (2,), np.float32), lambda t: np.zeros(2, np.float32))
+    core.action_space = Box(low, high, (1,), np.float32)
+    env_id = register_once(f"PlugrlUnbounded{int(low == 0)}-v0", core)
+    status, out, err = run_main("dummy-policy", "default", "pg", "default", "--local-env", env_id,
+                                "--local-env-clients", "1", "--run-dir", tmp_path / "run")
+    assert status == 2 and "listening" not in out, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"error: {env_id} has an unbounded Box action space ")
+    assert line.endswith("[-1, 1] is scaled to its bounds; wrap it in one with finite bounds")
 
 
 def test_a_float64_box_observation_stays_float64_with_its_shape():
@@ -7404,7 +7977,7 @@ def test_a_dict_nested_two_levels_is_refused_in_one_line_naming_the_entry():
     from gymnasium.spaces import Box, Dict
     space = Dict({"a": Dict({"b": Dict({"c": Box(-1, 1, (1,))})})})
     env_id = register_once("PlugrlDeep-v0", core_env_class(space, lambda t: space.sample()))
-    with pytest.raises(SystemExit) as stop:
+    with pytest.raises(plugrl_min.UsageError) as stop:
         make_env(env_id, 1)
     (line,) = str(stop.value).splitlines()
     assert "a Dict observation space (its entry 'a.b')" in line and "register_env" in line
@@ -7425,7 +7998,7 @@ def test_a_tuple_observation_is_refused_before_serving_in_one_line_naming_it():
     from gymnasium.spaces import Box, Tuple
     space = Tuple((Box(-1, 1, (1,)), Box(-1, 1, (2,))))
     env_id = register_once("PlugrlTuple-v0", core_env_class(space, lambda t: space.sample()))
-    with pytest.raises(SystemExit) as stop:
+    with pytest.raises(plugrl_min.UsageError) as stop:
         make_env(env_id, 1)
     (line,) = str(stop.value).splitlines()
     assert line.startswith("gym:PlugrlTuple-v0 has a Tuple observation space;")
@@ -7459,12 +8032,153 @@ def test_pg_and_sac_train_over_the_wire_on_a_dict_observation_with_an_image(tmp_
 
 
 # =============================================================================================
+# [eval] `python plugrl_min.py eval RUN_DIR`: a trained policy, evaluated and watched
+# =============================================================================================
+# The run's policy acts (greedily unless --stochastic) on its own environment; nothing learns, nothing is written
+# into the run; --serve puts it behind a server of its own for env clients; --video records Gymnasium episodes.
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A short pg run on dummy-v1, in this process (--in-process), to evaluate: its newest three checkpoints."""
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    status, _, err = run_main("dummy-policy", "default", "pg", "default", "--policy.hidden-size", "16",
+                              "--in-process", "--local-num-envs", "8", "--algo.frames-per-learn", "256",
+                              "--algo.save-every", "1", "--algo.global-steps", "1024", "--seed", "1",
+                              "--run-dir", run_dir)
+    assert status == 0, err
+    return run_dir
+
+
+def eval_line(*words) -> str:
+    status, out, err = run_main("eval", *map(str, words))
+    assert status == 0, err
+    (line,) = out.strip().splitlines()
+    return line
+
+
+def test_eval_prints_one_line_of_episodes_mean_return_spread_min_and_max(trained_run):
+    line = eval_line(trained_run, "--episodes", "4", "--seed", "2")
+    match = re.fullmatch(rf"eval {re.escape(str(trained_run))} at step 1,024, greedy, on dummy-v1: 4 episodes \| "
+                         r"mean return (\S+) \| std (\S+) \| min (\S+) \| max (\S+)", line)
+    assert match, line
+    mean, std, low, high = map(float, match.groups())
+    assert low <= mean <= high and std >= 0 and high < 0  # dummy-v1 pays -|target - x| a step
+
+
+def test_eval_leaves_every_file_of_the_run_directory_byte_identical(trained_run):
+    before = folder_bytes(trained_run)
+    eval_line(trained_run, "--episodes", "2", "--seed", "1")
+    eval_line(trained_run, "--episodes", "2", "--stochastic")
+    assert folder_bytes(trained_run) == before
+
+
+def test_two_evals_with_the_same_seed_print_the_same_line_and_another_seed_another(trained_run):
+    lines = [eval_line(trained_run, "--episodes", "5", "--stochastic", "--seed", seed) for seed in (3, 3, 4)]
+    assert lines[0] == lines[1] != lines[2]
+
+
+def test_eval_of_a_checkpoint_by_path_acts_with_its_weights(trained_run):
+    oldest = plugrl_min.checkpoint_paths(trained_run)[0]
+    assert os.path.basename(oldest) != os.path.basename(plugrl_min.checkpoint_paths(trained_run)[-1])
+    line = eval_line(trained_run, "--checkpoint", oldest, "--episodes", "2", "--seed", "1")
+    assert line.startswith(f"eval {trained_run} at step {int(os.path.basename(oldest)[5:-3]):,}, greedy")
+
+
+NO_GREEDY_POLICY = '''
+import dataclasses
+import plugrl_min
+from plugrl_min import DummyPolicy, register_policy, register_policy_config
+
+
+@register_policy_config("plugrl-test-sampler")
+@dataclasses.dataclass
+class SamplerConfig:
+    hidden_size: int = 16
+
+
+@register_policy("plugrl-test-sampler")
+class Sampler(DummyPolicy):  # dummy-policy's weights and sampling, without get_greedy_action
+    get_greedy_action = plugrl_min.BaseTorchPolicy.get_greedy_action
+
+    def __init__(self, config):
+        super().__init__(plugrl_min.DummyPolicyConfig(hidden_size=config.hidden_size))
+'''
+
+
+def test_eval_of_a_policy_without_a_greedy_action_samples_saying_so_in_one_line(tmp_path, plugins_in_process):
+    write_plugin(tmp_path, "plugrl_test_sampler", NO_GREEDY_POLICY)
+    status, _, err = run_main("plugrl-test-sampler", "default", "dummy", "default", "--plugin", "plugrl_test_sampler",
+                              "--in-process", "--algo.global-steps", "100", "--run-dir", tmp_path / "run")
+    assert status == 0, err
+    status, out, err = run_main("eval", tmp_path / "run", "--episodes", "2", "--seed", "1")
+    assert status == 0, err
+    note, line = out.strip().splitlines()
+    assert note == "plugrl-test-sampler has no get_greedy_action: evaluated as it samples"
+    assert ", sampled, on dummy-v1: 2 episodes |" in line
+
+
+def test_eval_serves_the_trained_policy_to_an_env_client_over_the_wire(trained_run, tmp_path):
+    before = folder_bytes(trained_run)
+    with Background(tmp_path, "eval", ["plugrl_min.py", "eval", str(trained_run), "--serve", "--port", "0",
+                                       "--episodes", "6"]) as server:
+        port = server.port()
+        client = python("plugrl_min.py", "env-client", "dummy-v1", "--server-port", str(port), "--num-envs", "2",
+                        "--num-episodes", "0", "--seed", "1")
+        assert server.wait(60) == 0, server.stderr()
+    assert client.returncode == 0 and client.stdout.startswith("the server ended the run | episodes 6 |")
+    served = re.search(r"^eval .* served: 6 episodes \| mean return (\S+) \|", server.stdout(), re.M)
+    client_mean = float(re.search(r"mean return (\S+)", client.stdout).group(1))
+    assert served and float(served.group(1)) == pytest.approx(client_mean, abs=0.01)
+    assert folder_bytes(trained_run) == before  # its record is its own: runs/eval-*, not the trained run's
+
+
+def test_eval_without_an_environment_to_play_is_a_one_line_usage_error(tmp_path):
+    run_dir = tmp_path / "run"
+    status, _, err = run_main("dummy-policy", "default", "dummy", "default", "--in-process",
+                              "--algo.global-steps", "100", "--run-dir", run_dir)
+    assert status == 0, err
+    config = json.loads((run_dir / "config.json").read_text())
+    (run_dir / "config.json").write_text(json.dumps({**config, "env": None}))  # as a run of outside clients
+    status, _, err = run_main("eval", run_dir)
+    assert status == 2 and err.strip().splitlines() == [
+        f"error: {run_dir}'s config.json names no environment (its run had no local env clients): name one with "
+        "--env ENV_ID"]
+
+
+def test_eval_records_each_gymnasium_episode_as_a_video_outside_the_run(tmp_path):
+    gymnasium_or_skip()
+    pytest.importorskip("moviepy", reason="moviepy is not installed (pip install moviepy)")
+    pytest.importorskip("pygame", reason="pygame is not installed (pip install pygame): CartPole draws with it")
+    run_dir = tmp_path / "run"
+    status, _, err = run_main("categorical-policy", "default", "dummy", "default", "--local-env",
+                              "gym:CartPole-v1", "--in-process", "--algo.global-steps", "50", "--run-dir", run_dir)
+    assert status == 0, err
+    before = folder_bytes(run_dir)
+    eval_line(run_dir, "--episodes", "2", "--seed", "1", "--video", tmp_path / "videos")
+    assert sorted(os.listdir(tmp_path / "videos")) == ["env0-episode-0.mp4", "env0-episode-1.mp4"]
+    assert all(os.path.getsize(tmp_path / "videos" / name) > 1000 for name in os.listdir(tmp_path / "videos"))
+    assert folder_bytes(run_dir) == before
+
+
+def test_eval_video_without_moviepy_is_one_line_naming_it(tmp_path, monkeypatch):
+    gymnasium_or_skip()
+    run_dir = tmp_path / "run"
+    status, _, err = run_main("categorical-policy", "default", "dummy", "default", "--local-env",
+                              "gym:CartPole-v1", "--in-process", "--algo.global-steps", "50", "--run-dir", run_dir)
+    assert status == 0, err
+    monkeypatch.setitem(sys.modules, "moviepy", None)  # as if it were not installed: its import fails
+    status, _, err = run_main("eval", run_dir, "--video", tmp_path / "videos")
+    assert status == 1 and err.strip().splitlines() == [
+        "error: --video needs moviepy, which writes the files: pip install moviepy"]
+
+
+# =============================================================================================
 # README.md: the reading map, the file's shape, every command it shows, its tables and its client
 # =============================================================================================
 # The handout checks (`handout`, PLUGRL_CHECK_HANDOUT=1) hold README.md and the file's layout to each
 # other: CI runs them; a student's edit of plugrl_min.py need not pass them.
 
-# --- The reading map: the first reading ends by line 750 and answers its five questions -----------
+# --- The reading map: the first reading ends by line 810 and answers its five questions -----------
 
 def readme_map() -> list[tuple[int, int, str, str]]:
     """The rows of README.md's map of the second reading: (first line, last line, what, how it is read)."""
@@ -7523,8 +8237,8 @@ def defined_in(lines: list[str], name: str) -> int:
 
 
 @handout
-def test_handout_the_first_reading_ends_at_its_banner_by_line_750():
-    assert banner_line() <= 750
+def test_handout_the_first_reading_ends_at_its_banner_by_line_810():
+    assert banner_line() <= 810
 
 
 @handout
@@ -7563,10 +8277,10 @@ FIVE_QUESTIONS = {
     "what happens to a frame acted by an older policy": [
         "Server.route_feedback", "discard_reason", "BaseAlgorithm.discard_feedback", "BaseAlgorithm.feedback"],
     "when learn runs, on which thread, and why serving pauses": [
-        "Server.control_loop", "Server.learn_once", "BaseAlgorithm.learn"],
+        "learn_and_save", "Server.control_loop", "Server.learn_once", "BaseAlgorithm.learn"],
     "what a checkpoint holds and when it is written": [
-        "Checkpoint", "Server.control_loop", "Server.save", "save_checkpoint", "DummyAlgorithm.create_checkpoint"],
-    "what the server does on SIGTERM": ["on_signal", "serve", "Server.request_stop", "Server.control_loop",
+        "Checkpoint", "learn_and_save", "Server.save", "save_checkpoint", "DummyAlgorithm.create_checkpoint"],
+    "what the server does on SIGTERM": ["on_signal", "serve", "Server.request_stop", "learn_and_save",
                                         "Server.run"],
 }
 
@@ -7594,7 +8308,7 @@ def test_handout_no_function_is_longer_than_60_lines_and_no_class_than_250():
 
 
 OPTIONAL_BLOCKS = ["learn-threads", "ranks", "trace", "tensorboard", "report", "notebook", "pendulum", "cartpole",
-                   "gym"]
+                   "gym", "eval"]
 
 
 def optional_block(lines: list[str], feature: str) -> tuple[range, list[int]]:
@@ -7748,16 +8462,24 @@ def counts_of(block: str) -> list[str]:
     return re.findall(r"global step \d+, \d+ learns|[\d,]+ steps \| [\d,]+ learns \| [\d,]+ discarded", block)
 
 
-def test_the_readme_quickstarts_output_agrees_with_itself():
-    shown = readme_block(QUICKSTART_OUTPUT)
+def test_the_readme_quickstarts_counts_are_those_its_command_makes(tmp_path):
+    words = readme_command("## Quickstart")[1:]  # after plugrl_min.py
+    _, args, configs = plugrl_min.parse_server_flags(words)
+    steps, per_learn = configs["algo"].global_steps, configs["algo"].frames_per_learn
+    assert per_learn % (2 * args.local_num_envs) == 0  # whole messages fill a batch, and half of one
+    # pg learns once per full batch of per_learn frames; one client discards nothing. The README's figures:
+    learns = steps // per_learn
+    assert counts_of(readme_block(QUICKSTART_OUTPUT)) == [f"global step {steps}, {learns} learns",
+                                                         f"{steps:,} steps | {learns:,} learns | 0 discarded"]
     line = json.loads(readme_block(QUICKSTART_LINE))
-    (finished, row) = counts_of(shown)
-    steps, learns = map(int, re.findall(r"\d+", finished))
-    assert row == f"{steps:,} steps | {learns:,} learns | {line['server/discarded']} discarded"
-    assert line["server/policy_version"] == learns and line["step"] <= steps
-    assert line["server/fps"] == pytest.approx(line["server/frames"] / line["time"], rel=0.2)  # one run's figures
-    said = float(re.search(rf"{QUICKSTART_OUTPUT} \((\d+) s from start to end", readme()).group(1))
-    assert line["time"] < said < line["time"] + 15  # the run's time, and its start-up and report
+    assert (line["event"], line["server/fed"], line["server/discarded"]) == ("learn", per_learn, 0)
+    assert line["step"] == line["server/frames"] == line["server/policy_version"] * per_learn <= steps
+    # That cadence, run: the same command for 3.5 batches ends on 3 learns and no discard.
+    short = 3 * per_learn + per_learn // 2
+    status, out, err = run_main(*in_a_test(words, tmp_path), "--algo.global-steps", short)
+    assert status == 0, err
+    assert counts_of(out)[-2:] == [f"global step {short}, 3 learns", f"{short:,} steps | 3 learns | 0 discarded"]
+    assert [line["step"] for line in read_metrics(tmp_path / "run")] == [per_learn, 2 * per_learn, 3 * per_learn]
 
 
 @handout
@@ -7991,12 +8713,33 @@ def test_arrays_nested_in_lists_and_dicts_cross_between_the_standalone_client_an
 
 # --- Its test commands: the quick contract check, and a student's files beside the tests ----------
 
-def test_the_quick_contract_check_covers_routing_hooks_chains_checkpoints_and_the_wires_errors():
-    marked = {name for name, test in globals().items()
-              if name.startswith("test_") and any(mark.name == "contract" for mark in getattr(test, "pytestmark", []))}
-    for part in ("feedback", "discard", "prev_node", "checkpoint", "resume", "error", "learn"):
-        assert any(part in name for name in marked), part
-    assert not any("bench" in name for name in marked)
+def collected(*flags) -> list[str]:
+    """The test names (parameters cut) a fresh `pytest --collect-only -q FLAGS` of this file selects, as the README's
+    commands run it: whatever gives the marks (a decorator on each test, or a scan of the headings)."""
+    result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-p",
+                             "no:cacheprovider", os.path.basename(__file__), *flags], cwd=HERE, env=subprocess_env(),
+                            capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return sorted({line.split("::", 1)[1].split("[", 1)[0] for line in result.stdout.splitlines() if "::" in line})
+
+
+CONTRACT_PARTS = {  # what the quick check must test: a pattern of test names, and how many at least
+    "routing to feedback or discard": (r"^test_(on|off)_policy_algorithm_is_|discarded_frames|discard_feedback", 4),
+    "the hooks and their order": (r"should_(learn|save|stop)|learn_runs_in_a_worker_thread|feedback_keyword", 5),
+    "prev_node chains": (r"prev_node", 3),
+    "checkpoints and resume": (r"checkpoint|resume", 5),
+    "the wire's errors": (r"rejected|refused|protocol_error|malformed|gets_an_error", 15),
+}
+NOT_THE_CONTRACT = r"^test_(pg|sac|ppo|dqn|twin_critic|bench|handout)_|_(pg|sac)_|_(pg|sac)$"  # their internals
+
+
+def test_the_quick_contract_check_runs_routing_hooks_chains_checkpoints_and_the_wires_errors_and_no_pg_or_sac():
+    everything, quick = collected(), collected("-m", "contract")
+    assert set(quick) < set(everything)
+    for part, (pattern, least) in CONTRACT_PARTS.items():
+        assert len([name for name in quick if re.search(pattern, name)]) >= least, (part, quick)
+    internals = [name for name in everything if re.search(NOT_THE_CONTRACT, name)]
+    assert len(internals) > 20 and not set(internals) & set(quick), set(internals) & set(quick)
 
 
 def test_a_students_my_env_and_my_algo_in_the_project_folder_do_not_change_the_tests_results(tmp_path):
@@ -8079,9 +8822,10 @@ def filled(args: list[str], seed: int, tmp_path, modules: dict = {}) -> list[str
 
 
 def curve_figures(run_dir, reach: float | None = None) -> dict:
-    """What `report RUN --reach R` says of a run: its step of first reaching R, the last and best figures."""
+    """What `report RUN --reach R` says of a run: its step of first reaching R, the last and best figures (of
+    windows of 100 episodes or more, as report takes them)."""
     lines = plugrl_min.read_metrics(str(run_dir))
-    curve = plugrl_min.return_curve(lines)
+    curve = [(step, mean) for step, mean, count in plugrl_min.return_curve(lines) if count >= 100]
     figures = {"last": curve[-1][1], "best": max(mean for _, mean in curve), "steps": lines[-1]["step"],
                "learns": lines[-1]["server/policy_version"],
                "discarded": sum(line["server/discarded"] for line in lines),
@@ -8425,7 +9169,7 @@ def measure_exercise(number: int, seed: int, tmp_path) -> list:
     sub.mkdir()
     if number == 1:
         done = train(filled(commands[0], seed, sub))
-        return [sum("stale" in line for line in done.stdout.splitlines())]
+        return [sum("(stale:" in line for line in done.stdout.splitlines())]  # the README's grep -c "(stale:"
     if number == 2:
         write_plugin(sub, "plugrl_test_my_algo", EXERCISE_STUCK)
         run_dir = stuck_run(next(c for c in commands if "stuck" in c), seed, sub, sub)
@@ -8508,19 +9252,19 @@ def measure_exercise(number: int, seed: int, tmp_path) -> list:
     raise ValueError(number)
 
 
-EXERCISE_SEEDS = (1, 2, 3, 4, 5)  # the README's checks hold for each; its figures are theirs
+QUOTED_SEEDS = (1, 2, 3, 4, 5)  # the README's checks hold for each; its figures are theirs
 
 
 @bench
 @pytest.mark.parametrize("number", range(1, 10))
 def test_bench_exercise_checks_hold_over_seeds_1_to_5(tmp_path, number):
     ranges = exercise_ranges(number)
-    rows = [measure_exercise(number, seed, tmp_path) for seed in EXERCISE_SEEDS]
+    rows = [measure_exercise(number, seed, tmp_path) for seed in QUOTED_SEEDS]
     print(f"\nexercise {number}: {exercise_text(number)[:60]}...")
     off = []
     for i, (low, high) in enumerate(ranges):
         figures = [row[i] for row in rows]
-        print(f"  check {i + 1}: seeds {EXERCISE_SEEDS[0]} to {EXERCISE_SEEDS[-1]} measured "
+        print(f"  check {i + 1}: seeds {QUOTED_SEEDS[0]} to {QUOTED_SEEDS[-1]} measured "
               f"{' / '.join(f'{f:,.2f}' for f in figures)} (README: {low:,g} to {high:,g})")
         off += [f"check {i + 1}: {figure:,.2f} outside {low:,g} to {high:,g}" for figure in figures
                 if not low <= figure <= high]
@@ -8547,26 +9291,61 @@ def test_exercise_4s_server_command_as_written_outlasts_both_clients(monkeypatch
     assert "--num-episodes" in client and "--seed" in client
 
 
+DQN_STUB = '''
+from plugrl_min import DummyAlgoConfig, DummyAlgorithm, register_algo, register_algo_config
+register_algo_config("dqn")(DummyAlgoConfig)
+register_algo("dqn")(DummyAlgorithm)  # a stand-in for the student's dqn: the words and flags are the subject
+'''
+
+
 def test_exercise_9s_command_as_written_parses_with_its_seed(tmp_path, plugins_in_process, monkeypatch):
-    write_plugin(tmp_path, "plugrl_test_my_dqn", EXERCISE_DQN)
+    write_plugin(tmp_path, "plugrl_test_my_dqn", DQN_STUB)
     words = filled(exercise_commands(9)[0], 3, tmp_path, {"my_dqn": "plugrl_test_my_dqn"})
-    seen = seen_by_the_server(words, monkeypatch)
-    assert seen["seed"] == 3 and seen["global_steps"] == 100_000
-    assert "gamma 0.99" in exercise_text(9) and 'policy.logits(obs["state"])' in exercise_text(9)
+    torch.manual_seed(12345)  # so that 3 comes from the command's --seed S, not from an earlier test
+    assert seen_by_the_server(words, monkeypatch)["seed"] == 3
 
 
-def test_every_exercise_check_parses_as_the_bench_reads_it_and_holds_for_the_seeds_figures_it_quotes():
+def test_the_worked_solutions_are_needed_by_the_exercise_bench_and_handout_checks_alone():
+    """A teacher removes the EXERCISE_* strings before handing out: no test of the README's command may need them."""
+    tree = ast.parse(pathlib.Path(__file__).read_text())
+    solutions = {target.id for node in tree.body if isinstance(node, ast.Assign) for target in node.targets
+                 if isinstance(target, ast.Name) and target.id.startswith("EXERCISE_")}
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    names = {name: {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} for name, node in functions.items()}
+    needs = {name for name in functions if names[name] & solutions}
+    while True:  # a function that calls one that needs them needs them too
+        more = {name for name in functions if names[name] & needs} - needs
+        if not more:
+            break
+        needs |= more
+    elsewhere = [node.lineno for node in tree.body if not isinstance(node, (ast.FunctionDef, ast.Assign))
+                 and {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} & (solutions | needs)]
+    tests = sorted(name for name in needs if name.startswith("test_"))
+    assert len(solutions) >= 5 and tests and elsewhere == []
+    assert [name for name in tests if not name.startswith(("test_bench_", "test_handout_"))] == []
+
+
+def test_every_exercise_has_one_check_per_figure_its_bench_measures():
     counts = {number: len(exercise_ranges(number)) for number in range(1, 10)}
-    assert counts == {1: 1, 2: 0, 3: 1, 4: 1, 5: 0, 6: 3, 7: 6, 8: 2, 9: 2}  # measure_exercise's figures
+    assert counts == {1: 1, 2: 0, 3: 1, 4: 1, 5: 0, 6: 3, 7: 6, 8: 2, 9: 2}  # len(measure_exercise(number, ...))
+
+
+SEED_FIGURES = re.compile(rf"{FIGURE}(?: / {FIGURE})+")  # a run of figures, one per seed
+
+
+def test_every_exercise_check_quotes_one_figure_per_bench_seed_and_each_holds():
+    seeds = f"seeds {QUOTED_SEEDS[0]} to {QUOTED_SEEDS[-1]}"
+    assert f"Each check\nholds for {seeds}" in readme() and QUOTED_SEEDS == tuple(range(1, 6)), seeds
     for number in range(1, 10):
         check = exercise_text(number).split("*Check:*", 1)[1]
         found = list(CHECK.finditer(check))
-        for match, (low, high) in zip(found, exercise_ranges(number)):
-            after = check[match.end():next((later.start() for later in found if later.start() > match.start()),
-                                          len(check))]  # the text up to the next check: its seeds' figures
-            quoted = re.search(rf"{FIGURE}(?: / {FIGURE}){{{len(EXERCISE_SEEDS) - 1}}}", after)
-            assert quoted, f"exercise {number}: {match.group(0)} quotes no figure for each of the seeds"
-            figures = [number_of(text) for text in re.findall(FIGURE, quoted.group(0))]
+        assert len(found) == len(exercise_ranges(number))
+        for match, following, (low, high) in zip(found, found[1:] + [None], exercise_ranges(number)):
+            after = check[match.end():following.start() if following else len(check)]  # up to the next check
+            (quoted,) = SEED_FIGURES.findall(after) or [None]  # exactly one run of figures: its seeds'
+            assert quoted, f"exercise {number}: {match.group(0)} quotes no run of figures for its seeds"
+            figures = [number_of(text) for text in quoted.split(" / ")]
+            assert len(figures) == len(QUOTED_SEEDS), (number, match.group(0), figures)
             assert all(low <= figure <= high for figure in figures), (number, match.group(0), figures)
 
 
@@ -8575,14 +9354,50 @@ def test_every_exercise_check_parses_as_the_bench_reads_it_and_holds_for_the_see
 # =============================================================================================
 # They print tables (the README quotes them) and take minutes; a normal test run skips them.
 
-def test_the_benchmarks_are_skipped_unless_plugrl_bench_is_1():
-    benchmarks = {name: test for name, test in globals().items() if name.startswith("test_bench_")}
-    assert len(benchmarks) == 11
-    for name, test in benchmarks.items():  # each carries the one skipif mark, and no other
-        assert [mark for mark in getattr(test, "pytestmark", []) if mark.name.startswith("skip")] == [bench.mark], name
-    (skipped,) = bench.mark.args  # pytest skips them when it is true; it was worked out as this file was imported
-    assert skipped is (os.environ.get("PLUGRL_BENCH") != "1")
-    assert "run with PLUGRL_BENCH=1" in bench.mark.kwargs["reason"]
+BENCH_BODIES_NOT_RUN = '''
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A benchmark's body is not run: whether pytest skipped it is the subject."""
+    if pyfuncitem.name.startswith("test_bench_"):
+        return True
+'''
+
+
+def benchmark_outcomes(tmp_path, value) -> dict:
+    """Every test_bench_* of this file run by a fresh pytest with PLUGRL_BENCH=value (None: unset), their bodies
+    replaced by nothing: {test id: (outcome, skip reason)} from its JUnit XML."""
+    import xml.etree.ElementTree
+    write_plugin(tmp_path, "plugrl_test_no_bench_bodies", BENCH_BODIES_NOT_RUN)
+    env = {key: val for key, val in subprocess_env(tmp_path).items() if key != "PLUGRL_BENCH"}
+    env.update({} if value is None else {"PLUGRL_BENCH": value})
+    report = tmp_path / "junit.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-p",
+                    "plugrl_test_no_bench_bodies", os.path.basename(__file__), "-k", "test_bench_",
+                    f"--junitxml={report}"], cwd=HERE, env=env, capture_output=True, text=True, timeout=300,
+                   stdin=subprocess.DEVNULL)
+    outcomes = {}
+    for case in xml.etree.ElementTree.parse(report).iter("testcase"):
+        verdicts = [child for child in case if child.tag in ("skipped", "failure", "error")]
+        outcomes[case.get("name")] = (verdicts[0].tag, verdicts[0].get("message", "")) if verdicts else ("passed", "")
+    return outcomes
+
+
+def test_a_run_without_plugrl_bench_1_skips_every_benchmark_saying_how_to_run_it(tmp_path):
+    outcomes = benchmark_outcomes(tmp_path, None)
+    benchmarks = {name for name in globals() if name.startswith("test_bench_")}
+    assert {name.split("[", 1)[0] for name in outcomes} == benchmarks  # every one of them, and nothing else
+    assert {outcome for outcome, _ in outcomes.values()} == {"skipped"}
+    assert all("run with PLUGRL_BENCH=1" in reason for _, reason in outcomes.values()), outcomes
+
+
+def test_plugrl_bench_1_runs_every_benchmark(tmp_path):
+    outcomes = benchmark_outcomes(tmp_path, "1")
+    benchmarks = {name for name in globals() if name.startswith("test_bench_")}
+    assert {name.split("[", 1)[0] for name in outcomes} == benchmarks
+    assert {outcome for outcome, _ in outcomes.values()} == {"passed"}, outcomes  # none skipped
 
 
 def free_port() -> int:
@@ -8708,64 +9523,82 @@ def test_bench_sac_learns_pendulum_over_the_wire_no_slower_than_cleanrl_in_proce
     assert learns and fast
 
 
-# --- The same SAC agent in-process and over the wire, pendulum-v1 ---------------------------------
-
-# sac_example's agent looped as a single-file script would loop it (CleanRL's order): act, step the
-# environment, store the frame, one update per step past learning_starts. No server, torch's own threads.
-SAC_IN_PROCESS = '''
-import json, sys, time, numpy as np, torch
-sys.path.insert(0, ".")
-import plugrl_min, sac_example
-seed, steps = int(sys.argv[1]), int(sys.argv[2])
-torch.manual_seed(seed)
-np.random.seed(seed)
-env = plugrl_min.PendulumEnv(1, seed)
-agent = sac_example.SAC(sac_example.SACConfig(global_steps=steps), plugrl_min.make_policy("dummy-policy"))
-agent.init_optimizers()
-obs, returns, start = env.reset(), [], time.perf_counter()
-for _ in range(steps):
-    action, _ = agent.infer(obs)  # uniform random before learning_starts, then the actor
-    next_obs, reward, terminated, truncated, info = env.step(action[:, 0])
-    agent.buffer.add({"state": obs["state"][0]}, action[0], float(reward[0]), {"state": next_obs["state"][0]},
-                     bool(terminated[0]))
-    agent.global_step += 1
-    if agent.global_step > agent.config.learning_starts:
-        agent.updates += 1
-        agent.update()
-    if terminated[0] or truncated[0]:
-        returns.append(float(info["episode"]["r"][0]))
-        next_obs = env.reset()
-    obs = next_obs
-print(json.dumps({"seconds": time.perf_counter() - start, "returns": returns, "threads": torch.get_num_threads()}))
-'''
-
+# --- The wire's cost: the same agent in this process (--in-process) and over the wire, in one run -------
 
 def learn_threads_used(log: str) -> collections.Counter:
     """How many of the server's progress lines (one per 10 s) show each learn thread count."""
     return collections.Counter(int(count) for count in re.findall(r"ms, (\d+) threads?", log))
 
 
+def timed_command(words: list[str], run_dir) -> dict:
+    """`python plugrl_min.py WORDS --run-dir RUN_DIR`, timed from its start to its exit as a user waits for it:
+    its seconds, the learn threads its progress lines show, and report's figure of its run."""
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "plugrl_min.py", *words, "--run-dir", str(run_dir)], cwd=HERE,
+                            env=subprocess_env(), capture_output=True, text=True, timeout=3600,
+                            stdin=subprocess.DEVNULL)
+    seconds = time.perf_counter() - started
+    assert result.returncode == 0, result.stderr
+    figure = re.search(r"\| (?:last \d+\+|all \d+) episodes (-?[\d.]+)", result.stdout)  # report's own line
+    return {"seconds": seconds, "threads": dict(learn_threads_used(result.stdout)), "figure": float(figure[1])}
+
+
 @bench
-def test_bench_the_same_sac_agent_in_process_and_over_the_wire(tmp_path):
-    steps, bar, most = 15_000, -200.0, 1.10
-    rows = []
-    for seed in (1, 2):  # one at a time: two runs would share the cores
-        run = python("-c", SAC_IN_PROCESS, str(seed), str(steps), timeout=3600)
-        assert run.returncode == 0, run.stderr
-        alone = json.loads(run.stdout.splitlines()[-1])
-        wire = sac_seed(seed, steps, tmp_path)
-        threads = learn_threads_used((tmp_path / f"seed{seed}.log").read_text())
-        rows.append((alone["seconds"], wire["seconds"], np.mean(alone["returns"][-10:]), np.mean(wire["returns"][-10:])))
-        print(f"seed {seed}: in-process {alone['seconds']:6.1f} s ({alone['threads']} torch threads), last-10 "
-              f"{rows[-1][2]:7.1f} | over the wire {wire['seconds']:6.1f} s (learn threads in progress lines: "
-              f"{dict(sorted(threads.items()))}), last-10 {rows[-1][3]:7.1f} | {wire['seconds'] / alone['seconds']:.2f} x "
-              f"| load average {os.getloadavg()[0]:.1f}", flush=True)
-    alone, wire, alone_returns, wire_returns = (np.array(column) for column in zip(*rows))
-    ratio = wire.sum() / alone.sum()  # over both seeds: one seed's time swings with load
-    learns = bool((alone_returns >= bar).all() and (wire_returns >= bar).all())
-    print(f"summary: over the wire {wire.sum():.1f} s, in-process {alone.sum():.1f} s: {ratio:.2f} x (bar {most}) | "
-          f"worst last-10 {min(alone_returns.min(), wire_returns.min()):.1f} (bar {bar:g})")
-    assert ratio <= most and learns
+def test_bench_the_wires_cost_the_same_agent_in_process_and_over_the_wire(tmp_path):
+    agents = {"pg, the quickstart": ["dummy-policy", "default", "pg", "default", "--local-num-envs", "16"],
+              "sac, pendulum-v1, 15,000 steps": ["dummy-policy", "default", "sac", "default", "--local-env",
+                                                 "pendulum-v1"],
+              # The same steps and round trips with no update at all: what the wire costs a step, alone.
+              "sac without its updates": ["dummy-policy", "default", "sac", "default", "--local-env", "pendulum-v1",
+                                          "--algo.learning-starts", "15000"]}
+    most = 1.10  # sac over the wire at most 1.10 x in this process
+    totals = {}
+    for name, words in agents.items():
+        for seed in (1, 2):  # one run at a time, the order swapped each seed: a drift in load favours neither
+            ways = {"in-process": ["--in-process"], "wire": ["--local-env-clients", "1"]}
+            order = list(ways) if seed == 1 else list(reversed(ways))
+            runs = {way: timed_command([*words, *ways[way], "--seed", str(seed)], tmp_path / f"{name[:3]}-{way}-{seed}")
+                    for way in order}
+            for way, run in runs.items():
+                totals.setdefault((name, way), []).append(run["seconds"])
+            print(f"{name} | seed {seed} | in-process {runs['in-process']['seconds']:.1f} s | over the wire "
+                  f"{runs['wire']['seconds']:.1f} s | {runs['wire']['seconds'] / runs['in-process']['seconds']:.2f} x | "
+                  f"figures {runs['in-process']['figure']:.2f} and {runs['wire']['figure']:.2f} | learn threads "
+                  f"{runs['in-process']['threads']} and {runs['wire']['threads']} | load average "
+                  f"{os.getloadavg()[0]:.1f}", flush=True)
+    ratios = {name: sum(totals[(name, "wire")]) / sum(totals[(name, "in-process")]) for name in agents}
+    for name, ratio in ratios.items():  # over both seeds: one seed's time swings with load
+        extra = (sum(totals[(name, 'wire')]) - sum(totals[(name, 'in-process')])) / 2
+        print(f"summary: {name}: over the wire {sum(totals[(name, 'wire')]):.1f} s, in-process "
+              f"{sum(totals[(name, 'in-process')]):.1f} s: {ratio:.2f} x; the wire's {extra:.1f} s a run")
+    print(f"sac's bar: at most {most} x: {'met' if ratios['sac, pendulum-v1, 15,000 steps'] <= most else 'missed'}")
+    assert ratios["sac, pendulum-v1, 15,000 steps"] <= most
+
+
+# --- Training's figure beside the greedy evaluation's, for three trained runs ---------------------------
+
+@bench
+def test_bench_the_readmes_eval_table_trained_runs_and_their_greedy_evaluation(tmp_path):
+    runs = {"the quickstart: `pg`, dummy-v1": (["dummy-policy", "default", "pg", "default", "--local-num-envs",
+                                                "16"], 100),
+            "`sac`, pendulum-v1, 15,000 steps": (["dummy-policy", "default", "sac", "default", "--local-env",
+                                                  "pendulum-v1"], 10),
+            "`pg`, cartpole-v1": (["categorical-policy", "cartpole", "pg", "default", "--local-num-envs", "16",
+                                   "--local-env", "cartpole-v1"], 100)}
+    print("| run, seed 1 | `report --last N`: the last N+ episodes of training | `eval --seed 1`: greedy, 10 "
+          "episodes |\n|---|---|---|")
+    for name, (words, last) in runs.items():
+        run_dir = tmp_path / f"run{len(os.listdir(tmp_path))}"
+        trained = python("plugrl_min.py", *words, "--local-env-clients", "1", "--seed", "1", "--run-dir",
+                         str(run_dir), timeout=3600)
+        assert trained.returncode == 0, trained.stderr
+        report = python("plugrl_min.py", "report", str(run_dir), "--last", str(last))
+        figure = re.search(r"\| (?:last \d+\+|all \d+) episodes (-?[\d.]+)", report.stdout).group(1)
+        evaluated = python("plugrl_min.py", "eval", str(run_dir), "--seed", "1", timeout=600)
+        assert evaluated.returncode == 0, evaluated.stderr
+        line = evaluated.stdout.strip().splitlines()[-1]
+        mean, std = re.search(r"mean return (\S+) \| std (\S+)", line).groups()
+        print(f"| {name} | {figure} (N = {last}) | {mean} (std {std}) |", flush=True)
 
 
 # --- Throughput: the full server against a floor server, in the same run --------------------------
@@ -9206,18 +10039,20 @@ def readme_table(after: str) -> list[list[str]]:
     return [[cell.strip() for cell in row.strip("|").split("|")] for row in table]
 
 
-def table_cell(label: str, shown: str, curve: list[tuple[int, float]]) -> str:
-    """What a row of the table says of one run, worked out from its curve the way `report` does."""
+def table_cell(label: str, shown: str, curve: list[tuple[int, float, int]]) -> str:
+    """What a row of the table says of one run, worked out from its curve the way `report` does: best and the
+    first step to reach a figure from windows of 100+ episodes; a step's row from the curve as it stood."""
     decimals = len(shown.split(".")[1]) if "." in shown else 0
+    full = [(step, mean) for step, mean, count in curve if count >= 100]
     if label == "best":
-        return f"{max(mean for _, mean in curve):.{decimals}f}"
+        return f"{max(mean for _, mean in full):.{decimals}f}"
     if "last 100+ episodes" in label:  # at the run's end, as report says it
-        return f"{curve[-1][1]:.{decimals}f}"
+        return f"{full[-1][1]:.{decimals}f}"
     if "first reached" in label:
         goal = float(re.search(r"--reach (-?[\d.]+)", label).group(1))
-        return f"{next(step for step, mean in curve if mean >= goal):,}"
+        return f"{next(step for step, mean in full if mean >= goal):,}"
     step = int(label.split()[0].replace(",", ""))
-    return f"{next(mean for at, mean in curve if at >= step):.{decimals}f}"
+    return f"{next(mean for at, mean, _ in curve if at >= step):.{decimals}f}"
 
 
 @bench
@@ -9239,10 +10074,3 @@ def test_bench_the_readmes_learning_tables_are_what_seeds_1_to_3_print(tmp_path)
         differs += [f"{section}: {row} where the README has {shown}" for row, shown in zip(measured, table)
                     if row != shown]
     assert not differs, "\n".join(differs)
-
-
-# =============================================================================================
-# The quick contract check's marks: every test above is defined now
-# =============================================================================================
-
-mark_the_contract()
