@@ -138,9 +138,9 @@ async def run_episodes(ws, executor, num_episodes: int, tally: dict) -> None:
     closed_loop = isinstance(executor, ClosedLoopMultiAction)
     check_metadata(unpack_message(await ws.recv()), executor, closed_loop)
     env_indices = np.arange(executor.env.num_envs, dtype=np.int64)
-    while num_episodes == 0 or len(tally["returns"]) < num_episodes:  # 0: until the run ends
-        infer = {"message_type": "infer", "env_indices": env_indices, "obs": executor.obs}
-        await ws.send(pack_message(infer))
+    infer = {"message_type": "infer", "env_indices": env_indices}
+    await ws.send(pack_message({**infer, "obs": executor.obs}))
+    while True:
         reply = unpack_message(await ws.recv())
         if reply.get("message_type") == "error":
             raise CommandError(f"the server refused a message: {reply['message']} "
@@ -162,7 +162,14 @@ async def run_episodes(ws, executor, num_episodes: int, tally: dict) -> None:
         done = terminated | truncated
         if done.any():
             executor.reset(np.flatnonzero(done))
+        if num_episodes and len(tally["returns"]) >= num_episodes:  # 0: until the run ends
+            await ws.send(frame)
+            return
+        # The next infer is packed first, so that the two frames leave back to back and the
+        # server reads them at once: one pass of its loop for both, not one each.
+        next_infer = pack_message({**infer, "obs": executor.obs})
         await ws.send(frame)
+        await ws.send(next_infer)
 
 
 # ===== 2. The server: one control task between the clients and the algorithm =====
@@ -1902,11 +1909,22 @@ class Ranks:
         """Rank 0's order to every rank (the others pass none): its length, then its frame."""
         frame = b"" if order is None else pack_message(order)
         length = torch.tensor([len(frame)])
-        dist.broadcast(length, 0, group=self.orders)
+        self.send(length)
         data = torch.frombuffer(bytearray(frame), dtype=torch.uint8) if frame else torch.empty(
             int(length), dtype=torch.uint8)
-        dist.broadcast(data, 0, group=self.orders)
+        self.send(data)
         return unpack_message(data.numpy().tobytes())
+
+    def send(self, tensor: torch.Tensor) -> None:
+        """dist.broadcast from rank 0; back once gloo's worker thread let go of the tensor: left its
+        last owner, that thread frees it under the GIL, which it cannot take once the interpreter
+        exits (std::terminate: SIGABRT)."""
+        try:
+            dist.broadcast(tensor, 0, group=self.orders)
+        finally:  # also after an error: the rank exits next
+            deadline = time.monotonic() + 10
+            while tensor._use_count() > 1 and time.monotonic() < deadline:
+                time.sleep(0.001)
 
     def stop(self, status: int) -> int:
         """Rank 0, once its clients were told: the stop order. A rank gone already makes it 1."""

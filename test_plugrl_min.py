@@ -9557,7 +9557,8 @@ def test_bench_the_wires_cost_the_same_agent_in_process_and_over_the_wire(tmp_pa
         for seed in (1, 2):  # one run at a time, the order swapped each seed: a drift in load favours neither
             ways = {"in-process": ["--in-process"], "wire": ["--local-env-clients", "1"]}
             order = list(ways) if seed == 1 else list(reversed(ways))
-            runs = {way: timed_command([*words, *ways[way], "--seed", str(seed)], tmp_path / f"{name[:3]}-{way}-{seed}")
+            folder = tmp_path / f"agent{list(agents).index(name)}"
+            runs = {way: timed_command([*words, *ways[way], "--seed", str(seed)], folder / f"{way}-{seed}")
                     for way in order}
             for way, run in runs.items():
                 totals.setdefault((name, way), []).append(run["seconds"])
