@@ -612,11 +612,6 @@ class BaseTorchPolicy(nn.Module):
         """The distribution runtime_state["sample"] came from, given tensors {key: [B, ...]}."""
         raise NotImplementedError
 
-    def get_greedy_action(self, obs: dict) -> np.ndarray:
-        """plugrl_min's own, optional: the most likely action of each observation, for `eval`.
-        A policy without it is evaluated as it samples."""
-        raise NotImplementedError
-
     @property
     def device(self) -> torch.device:
         """Where the weights are (--device): infer moves observations there, actions back."""
@@ -1790,7 +1785,9 @@ def print_failure(error: Exception, prefix: str = "error: ") -> str:
     environment's, with its traceback. Returns what the server's clients are told failed."""
     if isinstance(error, CommandError):
         print(f"{prefix}{error}", file=sys.stderr, flush=True)
-        return "OSError in its run directory"  # the run's own files: no hook is blamed
+        if isinstance(error.__context__, OSError):  # naming()'s: a file of the run, not a hook
+            return "OSError in its run directory"
+        return type(error).__name__  # --in-process: an environment's one-line failure
     traceback.print_exception(error)
     return type(error).__name__
 
@@ -3075,7 +3072,8 @@ class GymEnv(VecEnv):
 def record_video(env: VecEnv, folder: str) -> None:
     """eval --video: each Gymnasium environment of env records its episodes into folder."""
     if not isinstance(env, GymEnv):
-        raise UsageError("--video records a gym:ENV_ID environment, which draws its own frames")
+        raise UsageError(f"--video records a gym:ENV_ID environment, which draws its own frames; "
+                         f"{type(env).__name__} draws none")
     import gymnasium
     try:
         env.envs = [gymnasium.wrappers.RecordVideo(one, folder, episode_trigger=lambda _: True,
@@ -3123,7 +3121,8 @@ def gym_observation_keys(env_id: str, space) -> dict:
 # nothing is written into the run. Cut: a trained run can only be resumed, which learns again.
 
 def act(policy: BaseTorchPolicy, obs: dict, greedy: bool) -> np.ndarray:
-    """The policy's actions for a batch: its most likely (get_greedy_action), or sampled."""
+    """The policy's actions for a batch: sampled, or its most likely: get_greedy_action(obs), a
+    policy's optional method (the built-in ones have it), shaped as its sampled action."""
     return policy.get_greedy_action(obs) if greedy else policy.get_action_and_runtime_state(obs)[0]
 
 
@@ -3206,7 +3205,7 @@ def eval_main(argv: list[str], command_line: bool = False) -> int:
     policy, resolved, step = trained_policy(args.run_dir, args.checkpoint)
     env_id = args.env or resolved.get("env")
     greedy = not args.stochastic
-    if greedy and type(policy).get_greedy_action is BaseTorchPolicy.get_greedy_action:
+    if greedy and not hasattr(policy, "get_greedy_action"):  # plugrl_min's own, optional
         print(f"{resolved['policy']} has no get_greedy_action: evaluated as it samples")
         greedy = False
     if args.seed is not None:
@@ -3219,8 +3218,8 @@ def eval_main(argv: list[str], command_line: bool = False) -> int:
         raise UsageError(f"{args.run_dir}'s config.json names no environment (its run had no local "
                          "env clients): name one with --env ENV_ID")
     kwargs = {**(resolved.get("env_kwargs") or {}), **(args.env_kwargs or {})}  # theirs, yours
-    if args.video:  # [gym] Gymnasium draws each frame for RecordVideo
-        kwargs.setdefault("render_mode", "rgb_array")  # [gym]
+    if args.video and env_id.startswith("gym:"):  # [gym] Gymnasium draws each frame for RecordVideo
+        kwargs.setdefault("render_mode", "rgb_array")  # [gym] (any other is refused below)
     env = make_env(env_id, 1, args.seed, kwargs)  # one: episodes in order, none cut short
     if args.video:  # [gym]
         record_video(env, args.video)  # [gym]
@@ -3245,7 +3244,8 @@ def parse_eval_flags(argv: list[str]) -> argparse.Namespace:
         "likely")
     add("--seed", type=int, help="seeds the environment and the samples: the same line twice")
     add("--env", metavar="ENV_ID", help="default: the run's own, from its config.json")
-    add_env_kwargs_flag(add)  # merged over the run's own
+    add_env_kwargs_flag(add, "merged over the run's own")
+    add_plugin_flag(add)  # a plug-in's policy or environment
     add("--video", metavar="DIR", help="save each episode as a video in DIR "  # [gym]
         "(gym:ENV_ID; needs moviepy)")  # [gym]
     add("--serve", action="store_true", help="serve the policy to env clients instead, on --port")
@@ -3265,6 +3265,8 @@ def serve_trained(policy: BaseTorchPolicy, uid: str, env_id: str | None,
                   args: argparse.Namespace, config: EvalConfig, command_line: bool) -> int:
     """eval --serve: the policy behind a server of its own, until --episodes ended or Ctrl-C;
     its record (config.json, metrics.jsonl) in a run directory of its own."""
+    if in_a_notebook():  # [notebook] its kernel's loop holds this thread: serve from a shell
+        raise UsageError("eval --serve runs from a shell, not a notebook cell")  # [notebook]
     algo = EvalAlgorithm(config, policy)
     warn_without_token(args.host, args.token)
     server = Server(algo, None, (uid, "eval"), token=args.token)
@@ -3282,7 +3284,7 @@ def serve_trained(policy: BaseTorchPolicy, uid: str, env_id: str | None,
     return status
 
 
-# ===== 15. Command line: the server (POLICY VARIANT ALGO VARIANT), env-client and report =====
+# ===== 15. Command line: the server (POLICY VARIANT ALGO VARIANT), env-client, report, eval ==
 # PlugRL page: plugrl-run-server and plugrl-run-env-client, flags from the config dataclasses.
 
 import argparse
@@ -3488,10 +3490,10 @@ def add_plugin_flag(add) -> None:
         "policies, algorithms and environments (repeatable, anywhere on the line)")
 
 
-def add_env_kwargs_flag(add) -> None:
+def add_env_kwargs_flag(add, note: str = "") -> None:
     """--env-kwargs JSON: keyword arguments of the environment's constructor (gymnasium.make's)."""
     add("--env-kwargs", type=json_object, metavar="JSON", help="keyword arguments for the "
-        "environment, a JSON object: '{\"continuous\": false}' (a server's: for --local-env)")
+        "environment, a JSON object: '{\"continuous\": false}'" + (f" ({note})" if note else ""))
 
 
 def json_object(text: str) -> dict:
@@ -3517,7 +3519,8 @@ def add_server_flags(add) -> None:
     add("--port", type=int, help="0 picks a free port, printed at start (default: 8000; with "
         "--local-env-clients, a free port)")
     add("--run-dir", help="a new folder for checkpoints and metrics, or with --resume the run to "
-        "continue (default: runs/ALGO[-ENV][-seedN]-TIME, ENV with --local-env-clients)")
+        "continue (default: runs/ALGO[-ENV][-seedN]-TIME; ENV with --local-env-clients or "
+        "--in-process)")
     add_plugin_flag(add)
     add("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
     add("--seed", type=int, help="seeds torch and numpy on the server; local client i gets "
@@ -3530,7 +3533,7 @@ def add_server_flags(add) -> None:
         "example_env, else the first registered that fits)")
     add("--local-num-envs", type=int, default=1, metavar="M", help="environments per local "
         "client, or --in-process (default: 1)")
-    add_env_kwargs_flag(add)
+    add_env_kwargs_flag(add, "for --local-env")
     add("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="auto: cuda if any "
         "(default: cpu)")
     add("--log-every", type=int, default=1000, metavar="F", help="a line of metrics.jsonl at "
@@ -3790,7 +3793,7 @@ def import_sac_example() -> None:
 def main(argv: list[str] | None = None,
          background: bool = False,  # [notebook] start()'s: a Serving, once the run serves
          ):
-    """The command line: the server, env-client or report. main() reads sys.argv and exits
+    """The command line: the server, env-client, report or eval. main() reads sys.argv, exits
     with the status; main([...]) returns it, as pytest.main does (in a notebook cell too), and
     leaves the caller's torch thread count and global RNG states (torch, numpy) as they were."""
     words = list(sys.argv[1:] if argv is None else argv)
