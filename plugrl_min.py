@@ -96,10 +96,10 @@ async def train_in_process(server: Server, executor: MultiAction) -> None:
         # The decision, executed in every environment (the client: run_episodes).
         next_obs, reward, terminated, truncated, info = executor.step(action)
         # Each frame to feedback() or discard_feedback(), by the routing rule.
-        rows = zip(range(n), slots, [StepState(batch, i) for i in range(n)],
-                   split_rows(next_obs, n), split_rows(reward, n),  # floats, or [k] rows
-                   terminated.tolist(), truncated.tolist(), split_rows(episode_info(info), n))
-        server.route_feedback(FeedbackMessage(conn, [Frame(*row) for row in rows]))
+        feedback = {"obs": next_obs, "reward": reward, "terminated": terminated,
+                    "truncated": truncated, "info": episode_info(info)}  # as the client sends it
+        steps = [StepState(batch, i) for i in range(n)]
+        server.route_feedback(FeedbackMessage(conn, frames_of(range(n), slots, steps, feedback)))
         if await learn_and_save(server):
             return
         server.record.show_progress(server)
@@ -356,12 +356,7 @@ class Server:
                                 "answer", "send feedback only for environments given an action")
         for slot in slots:
             slot.step = None
-        m = len(slots)
-        rows = zip(env_ids, slots, steps, split_rows(message["obs"], m),
-                   split_rows(message["reward"], m),  # floats, or [k] rows
-                   message["terminated"].tolist(), message["truncated"].tolist(),
-                   split_rows(message.get("info", {}), m))
-        return FeedbackMessage(conn, [Frame(*row) for row in rows])
+        return FeedbackMessage(conn, frames_of(env_ids, slots, steps, message))
 
     async def control_loop(self) -> None:
         """Route feedback; learn while should_learn(); save; stop; answer the waiting infers."""
@@ -1026,7 +1021,7 @@ class PG(DDPAlgorithm):
     def load_checkpoint(self, checkpoint: Checkpoint) -> None:
         """The learner state and the unfinished batch's frames: the cadence continues exactly."""
         self.load_learner_state(checkpoint)
-        self.load_server_data(self.global_step, checkpoint.meta, checkpoint.meta["frames"])
+        put_rows(self.batch, slice(0, self.stored), checkpoint.meta["frames"])
 
     def activate_ddp(self, ddp_policy: DistributedDataParallel) -> None:
         """Learn through the policy's wrapper, and through one of the value network alike."""
@@ -1249,6 +1244,17 @@ def split_rows(tree, n: int) -> list:
         for row, part in zip(rows, split_rows(value, n)):
             row[key] = part
     return rows
+
+
+def frames_of(env_ids, slots: list, steps: list, feedback: dict) -> list[Frame]:
+    """A feedback message's frames, one per environment: each its row of every field (accept,
+    and train_in_process with the feedback it would have sent)."""
+    m = len(slots)
+    rows = zip(env_ids, slots, steps, split_rows(feedback["obs"], m),
+               split_rows(feedback["reward"], m),  # floats, or [k] rows
+               feedback["terminated"].tolist(), feedback["truncated"].tolist(),
+               split_rows(feedback.get("info", {}), m))
+    return [Frame(*row) for row in rows]
 
 
 # ===== 10. Registries: where the command line finds policies, algorithms and environments =====
@@ -1783,13 +1789,13 @@ def naming(what: str):
 def print_failure(error: Exception, prefix: str = "error: ") -> str:
     """A CommandError in one line (a file of the run, named); any other exception, a hook's or an
     environment's, with its traceback. Returns what the server's clients are told failed."""
-    if isinstance(error, CommandError):
+    if not isinstance(error, CommandError):
+        traceback.print_exception(error)
+    else:
         print(f"{prefix}{error}", file=sys.stderr, flush=True)
         if isinstance(error.__context__, OSError):  # naming()'s: a file of the run, not a hook
             return "OSError in its run directory"
-        return type(error).__name__  # --in-process: an environment's one-line failure
-    traceback.print_exception(error)
-    return type(error).__name__
+    return type(error).__name__  # a hook's, or --in-process an environment's one-line failure
 
 
 def checkpoint_paths(run_dir: str) -> list[str]:
@@ -3129,16 +3135,15 @@ def act(policy: BaseTorchPolicy, obs: dict, greedy: bool) -> np.ndarray:
 def evaluate(policy: BaseTorchPolicy, env: VecEnv, episodes: int, greedy: bool) -> list[float]:
     """The returns of the first `episodes` episodes the policy plays in env; no hook runs."""
     executor = MultiAction(env)
-    obs = executor.reset()
+    executor.reset()
     returns = []
     while len(returns) < episodes:
-        _, _, terminated, truncated, info = executor.step(act(policy, obs, greedy))
+        _, _, terminated, truncated, info = executor.step(act(policy, executor.obs, greedy))
         episode = info["episode"]
         returns += episode["r"][episode["mask"]].tolist()
         done = terminated | truncated
         if done.any() and len(returns) < episodes:  # no episode begun that is not played
             executor.reset(np.flatnonzero(done))
-        obs = executor.obs
     return returns[:episodes]
 
 
