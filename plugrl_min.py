@@ -3752,7 +3752,8 @@ def env_client_main(argv: list[str]) -> int:
         help=f"a larger frame from the server closes the connection (default: {MAX_MESSAGE_BYTES})")
     add_plugin_flag(add)
     args = parser.parse_args(argv)
-    if args.num_envs < 1 or args.num_episodes < 0 or (args.closed_loop_steps or 1) < 1:
+    steps = args.closed_loop_steps  # None: no closed loop
+    if args.num_envs < 1 or args.num_episodes < 0 or (steps is not None and steps < 1):
         parser.error("--num-envs and --closed-loop-steps must be at least 1, --num-episodes at "
                      "least 0")
     try:

@@ -5806,6 +5806,14 @@ def test_env_client_reconnects_after_a_server_restart_and_finishes(tmp_path, cap
     assert second_status == 0 and second.version >= 1 and metrics_lines(tmp_path / "second") >= 1, out
 
 
+@pytest.mark.parametrize("flag", ["--num-envs", "--closed-loop-steps"])
+def test_env_client_with_zero_environments_or_zero_closed_loop_steps_is_a_one_line_usage_error(flag):
+    status, _, err = run_main("env-client", "dummy-v1", flag, "0")
+    assert status == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].endswith(
+        "error: --num-envs and --closed-loop-steps must be at least 1, --num-episodes at least 0")
+
+
 def test_a_client_that_stacks_observations_is_refused_when_it_starts_in_one_line(tmp_path):
     executor = MultiAction(make_env("dummy-v1", 2, seed=0), stack_observations=True)
     executor.reset()
