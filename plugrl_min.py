@@ -3,8 +3,10 @@
 
 Environments run in client processes and talk over WebSocket to a server that holds the policy
 and the algorithm: it batches inference, routes every frame to `feedback` or `discard_feedback`,
-learns, checkpoints and resumes. Every name, hook and rule of the PlugRL "Custom Algorithm" page
-holds here, with `plugrl_min` as the import path instead of `plugrl_server.*`.
+learns, checkpoints and resumes. Every hook, rule and troubleshooting symptom of the PlugRL
+"Custom Algorithm" page holds here, with `plugrl_min` as the import path instead of
+`plugrl_server.*`; README.md says once what differs (the commands, argparse for Tyro, no
+sac_policy).
 
 The first reading is the top of this file, down to the line "first reading ends":
   1. the whole loop without the wire (train_in_process, learn_and_save: the hooks in the order
@@ -336,8 +338,8 @@ class Server:
             self.connections.discard(conn)
 
     def accept(self, conn: Connection, message: dict) -> InferRequest | FeedbackMessage:
-        """Check a message, queue it, and move its environments on. A feedback takes each
-        environment's step state out of its slot now: the environment may infer again at once."""
+        """Check a message and move its environments on; handle_client queues what it returns. A
+        feedback takes each environment's step state out of its slot now: it may infer again."""
         kind, env_ids = check_message(message, self.obs_spec)
         if kind == "infer":
             check_env_cap(conn, env_ids, self.max_envs)  # one client must not hold the loop
@@ -491,7 +493,7 @@ def discard_reason(algo: BaseAlgorithm, version: int, step: StepState) -> str | 
 
 
 # ===== 3. A checkpoint on disk, and what SIGINT and SIGTERM do =====
-# PlugRL page: "should_save() and should_stop() are checked on every pass" (control_loop saves);
+# PlugRL page: "should_save() and should_stop() are checked on every pass" (learn_and_save saves);
 # here, what a save writes, and how a signal becomes should_stop's clean path.
 
 def save_checkpoint(run_dir: str, checkpoint: Checkpoint, server_counters: dict) -> str:
@@ -521,8 +523,8 @@ def save_checkpoint(run_dir: str, checkpoint: Checkpoint, server_counters: dict)
 
 def serve(server: Server, run, command_line: bool) -> int:
     """Serve in the main thread until the run (server.run, or run_in_process) ends: its exit
-    status. SIGINT and SIGTERM call on_signal until the local clients are gone; then main([...])
-    gives back the handlers it found, and the command line ignores both as it exits."""
+    status. SIGINT and SIGTERM call on_signal until the local clients are gone; then this gives
+    back the handlers it found (main([...])), or ignores both as the command line exits."""
     handler = functools.partial(on_signal, server)
     before = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -635,8 +637,10 @@ class BaseAlgoConfig:
 class BaseAlgorithm(abc.ABC):
     """The server-side algorithm. Override learn_impl (abstract), feedback and the should_* hooks.
 
-    The server calls the hooks one at a time, never two at once: every hook from its control
-    task, except learn(), which runs in the learn thread while that task waits for it.
+    The server calls the hooks one at a time, never two at once. Before it serves, the command
+    line calls init_optimizers() and, with --resume, load_checkpoint(); then every hook runs from
+    the control task, except learn(), which runs in the learn thread while that task waits for it.
+    (Under several ranks, the other ranks call pre_learn, learn and post_learn: serve_as_learner.)
     """
 
     # The routing rule. True: feedback() gets only frames whose action came from the current
@@ -812,8 +816,9 @@ class DummyAlgorithm(BaseAlgorithm):
 
 
 # ===== 7. PG: the first learner, on one rank or several (DDPAlgorithm) =====
-# PlugRL page: DDPAlgorithm and its hooks (activate_ddp, get_server_data, load_server_data,
-# load_learner_state, create_ddp_checkpoint); pg is the on-policy counterpart of the SAC example.
+# PlugRL page: "Use BaseAlgorithm unless you implement the distributed hooks required by
+# DDPAlgorithm". The page names no hook: these are plugrl_server's (base_algorithm.py, which the
+# page points to for exact signatures). pg is the on-policy counterpart of the SAC example.
 # Registered as `pg` with its config in section 10. Read it first as a learner of one process.
 
 import torch.distributed as dist
@@ -2903,6 +2908,11 @@ def pendulum_angle(obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.arctan2(obs[:, 1], obs[:, 0]), obs[:, 2]
 
 
+def upright_angle(theta: np.ndarray) -> np.ndarray:
+    """θ as the angle from upright, wrapped to [-π, π)."""
+    return (theta + np.pi) % (2 * np.pi) - np.pi
+
+
 @register_env("pendulum-v1")
 class PendulumEnv(VecEnv):
     """pendulum-v1: Gymnasium's Pendulum-v1 in numpy. obs [cos θ, sin θ, θ'], torque = 2 * a."""
@@ -2921,13 +2931,14 @@ class PendulumEnv(VecEnv):
         g, m, length, dt = 10.0, 1.0, 1.0, 0.05
         u = 2.0 * np.clip(action[:, 0], -1, 1)
         theta, theta_dot = self.theta[rows], self.theta_dot[rows]
-        upright = (theta + np.pi) % (2 * np.pi) - np.pi  # the angle from upright, in [-π, π)
-        cost = upright**2 + 0.1 * theta_dot**2 + 0.001 * u**2
+        # Gymnasium's cost is of the state the step starts from, θ from upright in [-π, π).
+        cost = upright_angle(theta)**2 + 0.1 * theta_dot**2 + 0.001 * u**2
         theta_acc = 3 * g / (2 * length) * np.sin(theta) + 3.0 / (m * length**2) * u
         theta_dot = np.clip(theta_dot + theta_acc * dt, -8, 8)
         self.theta[rows] = theta + theta_dot * dt  # the new velocity moves θ (semi-implicit)
         self.theta_dot[rows] = theta_dot
-        return -cost, np.zeros(len(rows), bool), np.abs(upright) < 0.1
+        # A success is judged where the step ends: upright at the end of the episode.
+        return -cost, np.zeros(len(rows), bool), np.abs(upright_angle(self.theta[rows])) < 0.1
 
     def _observe(self):
         state = np.stack([np.cos(self.theta), np.sin(self.theta), self.theta_dot], axis=1)
@@ -3090,9 +3101,13 @@ def record_video(env: VecEnv, folder: str) -> None:
 
 
 def gym_entry_module(env_id: str) -> str:
-    """The module of gym:ENV_ID's entry point: '__main__' for a class of the starting script."""
+    """Where gym:ENV_ID is registered: MODULE of gym:MODULE:ID (a client imports it first), else
+    the module of its entry point: '__main__' for a class of the starting script."""
     import gymnasium
-    entry_point = gymnasium.spec(env_id).entry_point
+    module, _, name = env_id.rpartition(":")
+    if module:  # gymnasium.spec takes the ID alone; gymnasium.make imports MODULE itself
+        return module
+    entry_point = gymnasium.spec(name).entry_point
     if isinstance(entry_point, str):  # "module:Class"
         return entry_point.split(":")[0]
     return getattr(entry_point, "__module__", "")
@@ -3383,7 +3398,12 @@ def server_main(argv: list[str], plugins: list[str] = (),
     counters = {}
     if resume is not None:
         checkpoint, counters = load_newest_checkpoint(resume)
-        algo.load_checkpoint(checkpoint)
+        try:
+            algo.load_checkpoint(checkpoint)
+        except KeyError as error:  # another algorithm's checkpoint, or an older version's
+            raise CommandError(f"cannot resume {resume}: its newest checkpoint has no "
+                               f"{error.args[0]!r}, which {words[2]}'s load_checkpoint "
+                               "reads") from None
         print(f"resumed from step {checkpoint.step} in {resume}", flush=True)
     warn_without_token(args.host, args.token)
     server = Server(algo, args.run_dir, (words[0], words[2]),
@@ -3788,12 +3808,23 @@ def import_plugins(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def import_sac_example() -> None:
     """sac is an example plug-in that ships beside this file: imported from there, by path, unless
-    it was imported already (by its name, or in a package: `sac` is registered)."""
+    it was imported already (by its name, or in a package). A plug-in that registered `sac` from
+    another file, a copy being edited, is refused: two algorithms would answer to one name."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sac_example.py")
-    if os.path.isfile(path) and "sac_example" not in sys.modules and "sac" not in _ALGOS:
-        spec = importlib.util.spec_from_file_location("sac_example", path)
-        sys.modules["sac_example"] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    if not os.path.isfile(path) or "sac_example" in sys.modules:
+        return
+    if "sac" in _ALGOS:
+        owner = _ALGOS["sac"].__module__
+        where = getattr(sys.modules.get(owner), "__file__", None)
+        if where is not None and os.path.samefile(where, path):  # sac_example, by a package name
+            return
+        copy = os.path.basename(where) if where else owner
+        raise UsageError(f"algorithm sac is registered twice, by {owner} and by sac_example: give "
+                         f"your copy its own UID (UID = \"my-sac\" at the top of {copy}) and serve "
+                         "it by that name")
+    spec = importlib.util.spec_from_file_location("sac_example", path)
+    sys.modules["sac_example"] = module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
 
 
 def main(argv: list[str] | None = None,
@@ -3808,11 +3839,27 @@ def main(argv: list[str] | None = None,
     def put_back_rng() -> None:  # the run's --seed and draws do not outlast it
         torch.set_rng_state(rng[0])
         np.random.set_state(rng[1])
+    status = None  # stays None if a user's own exception ends it: it keeps its traceback
+    try:
+        status = run_command(words, argv is None, background, put_back_rng)
+    finally:
+        if argv is not None:
+            torch.set_num_threads(threads)  # the server's thread count was set in this thread
+            if status is None or isinstance(status, (int, CommandError)):  # not a background run
+                put_back_rng()  # (that one's at_end puts them back as it ends)
+    if argv is None:
+        sys.exit(status)
+    return status
+
+
+def run_command(words: list[str], command_line: bool, background: bool, put_back_rng):
+    """main's work: the plug-ins, then the command its words name; its exit status (a background
+    run: its Serving, or the CommandError that refused it)."""
     try:
         plugins, words = import_plugins(words)
         commands = {"env-client": env_client_main}
         commands["report"] = report_main  # [report]
-        commands["eval"] = functools.partial(eval_main, command_line=argv is None)  # [eval]
+        commands["eval"] = functools.partial(eval_main, command_line=command_line)  # [eval]
         command = commands.get(words[0] if words else "")
         if command is not None:
             status = command(words[1:])
@@ -3821,23 +3868,18 @@ def main(argv: list[str] | None = None,
             status = server_main(words, plugins,
                                  background=background,  # [notebook]
                                  at_end=put_back_rng,  # [notebook] a background run's end
-                                 command_line=argv is None)
+                                 command_line=command_line)
     except CommandError as error:  # a usage error (2), a failure it names (1): one line
         print_failure(error)
         status = error.status
         if background:  # [notebook] start() raises it, saying why
             status = error  # [notebook]
     except SystemExit as stop:  # argparse's --help and usage errors, a plug-in's sys.exit
-        if argv is None:
+        if command_line:
             raise
         if isinstance(stop.code, str):  # printed as Python prints it
             print(stop.code, file=sys.stderr)
         status = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
-    if argv is None:
-        sys.exit(status)
-    torch.set_num_threads(threads)  # the server's thread count was set in this thread
-    if isinstance(status, (int, CommandError)):  # a background run: as it ends (at_end)
-        put_back_rng()
     return status
 
 

@@ -32,14 +32,14 @@ from plugrl_min import (BaseAlgoConfig, BaseAlgorithm, Checkpoint, ObsEncoder, m
 UID = "sac"  # the name on the command line: python plugrl_min.py dummy-policy default sac default
 
 
-# --- 1. Config: CleanRL's defaults; every field is a flag (--algo.batch-size 128) ----------------
+# --- 1. Config: CleanRL's hyperparameters, a shorter run; each field a flag (--algo.tau 0.01) -----
 
 @register_algo_config(UID)
 @dataclasses.dataclass
 class SACConfig(BaseAlgoConfig):
     """SAC's hyperparameters. global_steps counts stored frames and ends the run."""
 
-    global_steps: int | None = 15_000  # frames stored, then the run ends
+    global_steps: int | None = 15_000  # frames stored, then the run ends (CleanRL's: 1,000,000)
     buffer_size: int = 1_000_000  # frames kept (at most global_steps); the oldest goes first
     gamma: float = 0.99  # discount per decision
     tau: float = 0.005  # the target networks move this fraction toward the critics per update
@@ -61,8 +61,8 @@ class SACConfig(BaseAlgoConfig):
 class TwinQ(nn.Module):
     """Two Q(s, a) MLPs (hidden, hidden, 1; ReLU), their weights stacked on a leading axis of 2.
 
-    CleanRL writes two nn.Sequential critics and calls each; here each layer's weight is
-    [2, in, out], so one torch.baddbmm computes that layer of both critics.
+    CleanRL writes a critic as an nn.Module of three nn.Linear layers (fc1 to fc3) and builds two;
+    here each layer's weight is [2, in, out], so one torch.baddbmm computes that layer of both.
     """
 
     def __init__(self, in_dim: int, hidden: int, encoder: nn.Module):
@@ -141,7 +141,8 @@ class ReplayBuffer:
         """obs {key: [B, ...]}, action [B, H * action_dim], reward [B], next_obs, done [B]."""
         rows = torch.randint(self.size, (batch_size,))
         obs, action, reward, next_obs, done = (
-            map_arrays(lambda t: t.index_select(0, rows).to(device), tensors)  # CPU: no copy
+            # index_select gathers the rows into new tensors; .to(device) copies none on the CPU
+            map_arrays(lambda t: t.index_select(0, rows).to(device), tensors)
             for tensors in self.tensors)
         return [obs, action.flatten(1), reward, next_obs, done]
 
@@ -151,15 +152,16 @@ class ReplayBuffer:
 @register_algo(UID)
 class SAC(BaseAlgorithm):
     """Off-policy SAC: every frame goes to the replay buffer; one update per frame after
-    learning_starts. Counters: global_step (frames stored), updates (update slots used, one per
-    frame past learning_starts), saved_at (updates at the last checkpoint). Not a DDPAlgorithm:
-    it learns after every frame, and shipping the replay buffer to other ranks would cost more
-    than the update. The buffer stays in host memory (with --device cuda too): feedback writes
-    one row in numpy, each update moves one batch to the device.
+    learning_starts (CleanRL's: one per step of its vector of environments, the same with one).
+    Counters: global_step (frames stored), updates (update slots used, one per frame past
+    learning_starts), saved_at (updates at the last checkpoint). Not a DDPAlgorithm: it learns
+    after every frame, and shipping the replay buffer to other ranks would cost more than the
+    update. The buffer stays in host memory (with --device cuda too): feedback writes one row in
+    numpy, each update moves one batch to the device.
     """
 
     on_policy = False  # a replay-buffer learner: the server hands it every frame, stale or not
-    example_env = "pendulum-v1"  # CleanRL's task: --local-env and the server's hint default to it
+    example_env = "pendulum-v1"  # --local-env and the server's hint default to it (CleanRL: Hopper)
 
     def __init__(self, config: SACConfig, policy: plugrl_min.BaseTorchPolicy):
         super().__init__(config=config, policy=policy)
@@ -221,7 +223,7 @@ class SAC(BaseAlgorithm):
         return prev_node, self.global_step, {}  # a replay buffer links no frames
 
     def should_learn(self) -> bool:
-        """One update per frame past learning_starts, as CleanRL; learn_impl catches up."""
+        """One update per frame past learning_starts; learn_impl catches up on every owed one."""
         return self.updates < self.global_step - self.config.learning_starts
 
     def learn_impl(self) -> tuple[int, dict]:
