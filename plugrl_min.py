@@ -3828,7 +3828,7 @@ def import_sac_example() -> None:
 
 
 def main(argv: list[str] | None = None,
-         background: bool = False,  # [notebook] start()'s: a Serving, once the run serves
+         background: bool = False,  # start()'s (the notebook block): a Serving, once it serves
          ):
     """The command line: the server, env-client, report or eval. main() reads sys.argv, exits
     with the status; main([...]) returns it, as pytest.main does (in a notebook cell too), and
