@@ -6,7 +6,13 @@ imported into a fresh interpreter).
 
 The order is plugrl_min.py's: the helpers, then one section per section of the file (1 to 15), then one per
 optional block ([learn-threads] to [gym]), then the checks of README.md, its exercises solved, and the opt-in
-benchmarks."""
+benchmarks.
+
+No wait here is without a deadline: a test fails after 240 s, a run that several tests share after its own (see
+deadline_of). While you change the wire and a run may hang, lower them all and run the wire's tests alone:
+    PLUGRL_TEST_DEADLINE=60 python -m pytest -q test_plugrl_min.py -m wire -x --tb=native
+(-m wire: every test that crosses a WebSocket or reads a frame; the quick check, -m contract, stays as it is.)
+What the wire says (its messages, an action's rows, the closes) is spelled once, under "What the wire says"."""
 
 import argparse
 import ast
@@ -38,6 +44,7 @@ import textwrap
 import tokenize
 import tracemalloc
 import types
+import typing
 import unittest.mock
 import urllib.parse
 import warnings
@@ -170,24 +177,51 @@ def interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+class DeadlinePassed(BaseException):
+    """A deadline's end. Not an Exception: the code under test catches those, and must not swallow this."""
+
+
+def lowered(seconds: float) -> int:
+    """A deadline in whole seconds, lowered to PLUGRL_TEST_DEADLINE's when that is set and smaller."""
+    cap = os.environ.get("PLUGRL_TEST_DEADLINE")
+    return max(1, int(min(seconds, float(cap)) if cap else seconds))
+
+
+@contextlib.contextmanager
+def deadline_of(what: str, seconds: float):
+    """Fail `what`, instead of letting it hang, once it has run for `seconds` (SIGALRM, in the main thread,
+    also inside an event loop). An outer deadline that ends sooner is kept, and armed again after."""
+    seconds, started = lowered(seconds), time.monotonic()
+
+    def expire(signum, frame):
+        raise DeadlinePassed(f"{what} ran past its deadline of {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    outer = signal.alarm(seconds)  # the seconds left of an outer deadline; 0: none
+    if 0 < outer < seconds:
+        signal.signal(signal.SIGALRM, previous)
+        signal.alarm(outer)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer:
+            signal.alarm(max(1, round(outer - (time.monotonic() - started))))
+
+
 @pytest.fixture(autouse=True)
 def deadline(request):
     """Every test fails, instead of hanging, once it has run for 240 s (a benchmark, which runs for minutes: an
-    hour): a wait that never ends hides the bug it waits for (the slowest test takes under a minute). And Ctrl-C
-    stops the test run at once, also inside an event loop: asyncio.run turns Python's own SIGINT handler into a
+    hour): a wait that never ends hides the bug it waits for (the slowest test takes under a minute). The runs
+    that module fixtures share have deadlines of their own (they start before this one). And Ctrl-C stops the
+    test run at once, also inside an event loop: asyncio.run turns Python's own SIGINT handler into a
     cancellation that a test may swallow."""
     seconds = 3600 if request.node.name.startswith("test_bench_") else 240
-
-    def expire(signum, frame):
-        raise TimeoutError(f"the test ran past its deadline of {seconds} s")
-
-    previous = {signal.SIGALRM: signal.signal(signal.SIGALRM, expire),
-                signal.SIGINT: signal.signal(signal.SIGINT, interrupt)}
-    signal.alarm(seconds)
-    yield
-    signal.alarm(0)
-    for signum, handler in previous.items():
-        signal.signal(signum, handler)
+    previous = signal.signal(signal.SIGINT, interrupt)
+    with deadline_of("the test", seconds):
+        yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture
@@ -312,7 +346,7 @@ def dummy_algo(policy, steps):
 
 def obs_of(tags) -> dict:
     """Observations [n, 3] whose first column tags each environment, so the algorithm can tell them apart."""
-    return {"state": np.array([[tag, 0.0, 0.0] for tag in tags], np.float32)}
+    return {"state": np.array([[tag, 0.0, 0.0] for tag in tags], np.float32).reshape(len(tags), 3)}
 
 
 class Client:
@@ -330,8 +364,7 @@ class Client:
         return unpack_message(await asyncio.wait_for(self.ws.recv(), 10))
 
     async def infer(self, env_ids, tags) -> dict:
-        await self.ws.send(pack_message({"message_type": "infer", "env_indices": np.array(env_ids, np.int64),
-                                         "obs": obs_of(tags)}))
+        await self.ws.send(pack_message(infer_message(env_ids, tags)))
         return await self.receive()
 
     async def feedback(self, env_ids, tags, *, reward=None, terminated=None, truncated=None, episode=None,
@@ -341,18 +374,16 @@ class Client:
         truncated = np.zeros(m, bool) if truncated is None else np.array(truncated, bool)
         if episode is None:  # the page's info["episode"]: r, l, s, and mask on finished episodes
             episode = {"r": np.zeros(m, np.float32), "l": np.zeros(m, np.int64), "s": np.zeros(m, bool)}
-        episode = {key: np.array(value) for key, value in episode.items()}
-        episode["mask"] = terminated | truncated
-        await self.ws.send(pack_message({
-            "message_type": "feedback", "env_indices": np.array(env_ids, np.int64), "obs": obs_of(tags),
-            "reward": np.zeros(m, np.float32) if reward is None else np.array(reward, np.float32),
-            "terminated": terminated, "truncated": truncated,
-            "info": {"episode": episode, **{key: np.array(value, np.float32) for key, value in (extra_info or {}).items()}}}))
+        episode = {**{key: np.array(value) for key, value in episode.items()}, "mask": terminated | truncated}
+        extra = {key: np.array(value, np.float32) for key, value in (extra_info or {}).items()}
+        reward = np.zeros(m, np.float32) if reward is None else np.array(reward, np.float32)
+        await self.ws.send(pack_message(feedback_message(env_ids, tags, terminated, reward=reward,
+                                                         truncated=truncated, info={"episode": episode, **extra})))
 
     async def step(self, env_ids, tags, **feedback) -> dict:
         """One decision: infer, then feed back; returns the action message."""
         reply = await self.infer(env_ids, tags)
-        assert reply["message_type"] == "action", reply
+        actions_of(reply)  # an action, not an error
         await self.feedback(env_ids, tags, **feedback)
         return reply
 
@@ -605,20 +636,102 @@ def pg_algo(policy="dummy-policy", **overrides):
     return algo
 
 
-# --- Messages as a client sends them, well-formed or not ------------------------------------------
+# --- What the wire says, each thing in one place: the messages, an action's rows, the closes -------
+# Tests build and read messages only through these, so a change of the wire changes them, not the tests.
 
-def infer_message(env_ids=(0,), tag=7.0) -> dict:
-    return {"message_type": "infer", "env_indices": np.array(env_ids, np.int64), "obs": obs_of([tag] * len(env_ids))}
+def infer_message(env_ids=(0,), tags=None, **fields) -> dict:
+    """An infer for env_ids, their observations tagged `tags` (7.0 each by default); fields replace or add."""
+    tags = [7.0] * len(env_ids) if tags is None else tags
+    return {"message_type": "infer", "env_indices": np.array(env_ids, np.int64), "obs": obs_of(tags), **fields}
 
 
-def feedback_message(env_ids=(0,), tag=7.0, terminated=False) -> dict:
-    """A well-formed feedback message, as the env client sends it (info['episode'] = r, l, s, mask)."""
+def feedback_message(env_ids=(0,), tags=None, terminated=False, episode=None, **fields) -> dict:
+    """A well-formed feedback, as the env client sends it: reward 0, info['episode'] = r, l, s and mask (by
+    default an episode of return -3 and 5 steps where `terminated`); fields replace or add."""
     m = len(env_ids)
-    done = np.full(m, terminated)
-    return {"message_type": "feedback", "env_indices": np.array(env_ids, np.int64), "obs": obs_of([tag] * m),
+    done = np.broadcast_to(np.array(terminated, bool), (m,)).copy()
+    if episode is None:
+        episode = {"r": np.where(done, -3.0, 0.0).astype(np.float32), "l": np.where(done, 5, 0), "s": done.copy()}
+    episode = {key: np.asarray(value) for key, value in episode.items()}
+    episode.setdefault("mask", done.copy())
+    tags = [7.0] * m if tags is None else tags
+    return {"message_type": "feedback", "env_indices": np.array(env_ids, np.int64), "obs": obs_of(tags),
             "reward": np.zeros(m, np.float32), "terminated": done, "truncated": np.zeros(m, bool),
-            "info": {"episode": {"r": np.where(done, -3.0, 0.0).astype(np.float32), "l": np.where(done, 5, 0),
-                                 "s": done.copy(), "mask": done.copy()}}}
+            "info": {"episode": episode}, **fields}
+
+
+def metadata_message(**fields) -> dict:
+    """The metadata a server sends first, dummy-policy's (obs [3], one continuous action); fields replace."""
+    return {"message_type": "metadata", "protocol_version": 1, "action_dim": 1, "num_actions": None,
+            "action_horizon": 1, "obs_spec": {"state": {"shape": [3], "dtype": "<f4"}}, **fields}
+
+
+def action_message(env_ids, action) -> dict:
+    """The action a server sends for env_ids: action [n, H, *da], the policy's shape."""
+    return {"message_type": "action", "env_indices": np.asarray(env_ids, np.int64), "action": action}
+
+
+def actions_of(reply: dict) -> np.ndarray:
+    """An action reply's actions in the policy's shape, [n, H, *da] (row i: the infer's i-th environment)."""
+    assert reply["message_type"] == "action", reply
+    return reply["action"]
+
+
+def env_ids_of(reply: dict) -> list[int]:
+    """The environments an action reply is for, in its rows' order."""
+    return reply["env_indices"].tolist()
+
+
+RUN_END = (1000, "run finished")  # (close code, reason) of every connection when the run ends
+
+
+def hook_failed(error: str = "RuntimeError") -> tuple[int, str]:
+    """The close every client gets when a hook raised `error` (its type's name, or what the server says)."""
+    return 1011, f"server failed: {error}"
+
+
+def silent_after(seconds: float) -> tuple[int, str]:
+    """The close of a client that owed feedback past the feedback timeout of `seconds`."""
+    return 1008, f"client silent: no feedback for {seconds:g} s of serving"
+
+
+REFUSED = 1008  # the close code of a connection whose message was refused
+TOO_BIG = 1009  # the close code of a frame over the server's size limit
+
+
+class Refusal(typing.NamedTuple):
+    """What the server did after a client's bad message: the type of what it sent ("error", another type:
+    it accepted the message, or None: nothing), the error's text (None: none, or one without a hint), and
+    the close code and reason (None: the connection was left open)."""
+    sent: str | None
+    error: str | None
+    code: int | None
+    reason: str | None
+
+
+async def refusal_of(ws, wait=10.0) -> Refusal:
+    """Read what the server does after a bad message on ws: a message, then a close, each within `wait` s."""
+    sent = error = None
+    try:
+        message = unpack_message(await asyncio.wait_for(ws.recv(), wait))
+        sent = message.get("message_type")
+        error = message.get("message") if sent == "error" and message.get("hint") else None
+    except websockets.ConnectionClosed:
+        pass
+    except (TimeoutError, asyncio.TimeoutError):
+        return Refusal(None, None, None, None)  # no reply, no close
+    if sent not in (None, "error"):
+        return Refusal(sent, None, None, None)
+    try:
+        await asyncio.wait_for(ws.wait_closed(), wait)
+    except (TimeoutError, asyncio.TimeoutError):
+        return Refusal(sent, error, None, None)
+    return Refusal(sent, error, ws.close_code, ws.close_reason)
+
+
+def refused_with(error: str) -> tuple[int, str]:
+    """The close of a connection refused with `error`: its code and, as its reason, the error cut to fit."""
+    return REFUSED, error.encode()[:120].decode(errors="ignore")
 
 
 MISSING = object()  # a field left out of the message
@@ -626,15 +739,12 @@ N = 2  # environments in every message below
 
 
 def good_message(kind: str) -> dict:
-    """A valid infer, or a valid feedback in which both environments end an episode."""
-    ids = np.arange(N, dtype=np.int64)
+    """A valid infer, or a valid feedback in which both environments end an episode (of return 0, 1 step)."""
     if kind == "infer":
-        return {"message_type": "infer", "env_indices": ids, "obs": obs_of([1, 2])}
+        return infer_message(range(N), [1, 2])
     done = np.ones(N, bool)
-    return {"message_type": "feedback", "env_indices": ids, "obs": obs_of([1, 2]),
-            "reward": np.zeros(N, np.float32), "terminated": done, "truncated": ~done,
-            "info": {"episode": {"r": np.zeros(N, np.float32), "l": np.ones(N, np.int64),
-                                 "s": done, "mask": done}}}
+    return feedback_message(range(N), [1, 2], terminated=done, truncated=~done,
+                            episode={"r": np.zeros(N, np.float32), "l": np.ones(N, np.int64), "s": done})
 
 
 def with_field(message: dict, path: str, value) -> dict:
@@ -675,9 +785,10 @@ def dummy_run(tmp_path_factory):
     server in this process, the env client a process of its own (its exit status is the subject)."""
     tmp = tmp_path_factory.mktemp("dummy")
     run_dir, summary, port = tmp / "run", tmp / "summary.json", reserve_port()
-    with Background(tmp, "client", ["plugrl_min.py", "env-client", "dummy-v1", "--server-port", str(port),
-                                    "--num-episodes", "0", "--num-envs", "4", "--summary-json", str(summary),
-                                    "--connect-timeout", "60"]) as client:
+    with deadline_of("the dummy run", 180), \
+            Background(tmp, "client", ["plugrl_min.py", "env-client", "dummy-v1", "--server-port", str(port),
+                                       "--num-episodes", "0", "--num-envs", "4", "--summary-json", str(summary),
+                                       "--connect-timeout", "60"]) as client:  # killed on the way out
         server_status, out, err = run_main("dummy-policy", "default", "dummy", "default", "--algo.global-steps",
                                            "2000", *DUMMY_FLAGS, "--port", port, "--run-dir", run_dir)
         client_status = client.wait(60)
@@ -691,9 +802,10 @@ def short_run(tmp_path_factory):
     """One dummy run of 400 frames (a learn every 100, a metrics line per learn), in this process, with one local
     dummy-v1 client of 4 environments: its exit status, output and run directory."""
     run_dir = tmp_path_factory.mktemp("short") / "run"
-    status, out, err = run_main("dummy-policy", "default", "dummy", "default", "--port", "0",
-                                "--algo.global-steps", "400", "--algo.learn-every", "100", "--log-every", "1",
-                                "--local-env-clients", "1", "--local-num-envs", "4", "--run-dir", run_dir)
+    with deadline_of("the short run", 120):
+        status, out, err = run_main("dummy-policy", "default", "dummy", "default", "--port", "0",
+                                    "--algo.global-steps", "400", "--algo.learn-every", "100", "--log-every", "1",
+                                    "--local-env-clients", "1", "--local-num-envs", "4", "--run-dir", run_dir)
     return types.SimpleNamespace(status=status, out=out, err=err, run_dir=run_dir,
                                  lines=read_metrics(run_dir, event=None))
 
@@ -702,10 +814,11 @@ def short_run(tmp_path_factory):
 def sac_run_logged_every_300(tmp_path_factory):
     """sac on dummy-v1 for 1,000 steps, learning from step 200, a metrics line every 300 steps."""
     run_dir = tmp_path_factory.mktemp("sac-logged") / "run"
-    result = python("plugrl_min.py", "dummy-policy", "default", "sac", "default", "--policy.hidden-size", "32",
-                    "--algo.q-hidden-size", "32", "--algo.batch-size", "32", "--algo.learning-starts", "200",
-                    "--algo.global-steps", "1000", "--log-every", "300", "--local-env-clients", "1", "--seed", "1",
-                    "--port", "0", "--run-dir", str(run_dir), timeout=300)
+    with deadline_of("the sac run", 300):  # subprocess.run kills its child on the way out
+        result = python("plugrl_min.py", "dummy-policy", "default", "sac", "default", "--policy.hidden-size",
+                        "32", "--algo.q-hidden-size", "32", "--algo.batch-size", "32", "--algo.learning-starts", "200",
+                        "--algo.global-steps", "1000", "--log-every", "300", "--local-env-clients", "1", "--seed",
+                        "1", "--port", "0", "--run-dir", str(run_dir), timeout=300)
     assert result.returncode == 0, result.stderr
     client = (run_dir / "env-client-1.log").read_text()
     return types.SimpleNamespace(lines=read_metrics(run_dir, None), client=client, stdout=result.stdout)
@@ -723,8 +836,14 @@ def two_short_runs(tmp_path_factory) -> list[str]:
                                    "--port", "0", "--run-dir", run], cwd=HERE, env=subprocess_env(),
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                  for seed, run in zip((1, 2), runs)]
-    for process in processes:
-        assert process.wait(180) == 0, process.stderr.read()
+    try:
+        with deadline_of("the two short runs", 180):
+            for process in processes:
+                assert process.wait() == 0, process.stderr.read()
+    finally:  # a run that failed or hung outlives neither its test nor the other run
+        for process in processes:
+            process.kill()
+            process.wait()
     return runs
 
 
@@ -897,7 +1016,9 @@ WIRE_CASES = [(1, 1), (4, 1), (4, 3), (16, 1)]  # (K, num_envs)
 @pytest.fixture(scope="module", params=WIRE_CASES, ids=[f"K{k}-envs{n}" for k, n in WIRE_CASES])
 def wire_run(request, tmp_path_factory):
     steps, num_envs = request.param
-    summary, counts, server = _run_over_the_wire(tmp_path_factory.mktemp("wire"), steps, num_envs, episodes=12)
+    with deadline_of(f"the run over the wire, K = {steps}", 150):
+        summary, counts, server = _run_over_the_wire(tmp_path_factory.mktemp("wire"), steps, num_envs,
+                                                     episodes=12)
     return steps, num_envs, summary, counts, server
 
 
@@ -1003,8 +1124,8 @@ class ScriptedServer:
         message = unpack_message(frame)
         if message["message_type"] == "infer":
             n = len(message["env_indices"])
-            self.replies.append(pack_message({"message_type": "action", "env_indices": message["env_indices"],
-                                              "action": np.zeros((n, 1, 1), np.float32)}))
+            self.replies.append(pack_message(action_message(message["env_indices"],
+                                                            np.zeros((n, 1, 1), np.float32))))
         elif self.lose_feedback:
             raise websockets.ConnectionClosed(None, None)
         else:
@@ -1262,9 +1383,8 @@ def test_clients_waiting_during_learn_are_served_by_one_infer_call(tmp_path):
 def test_a_batched_infers_actions_are_split_back_to_their_clients(tmp_path):
     algo, tag_sets, replies = run_queued_clients(tmp_path)
     for tags, reply in zip(tag_sets, replies):
-        assert reply["message_type"] == "action"
-        assert reply["env_indices"].tolist() == list(range(len(tags)))
-        assert reply["action"].shape == (len(tags), 1, 1) and reply["action"][:, 0, 0].tolist() == tags
+        assert env_ids_of(reply) == list(range(len(tags)))
+        assert actions_of(reply).shape == (len(tags), 1, 1) and actions_of(reply)[:, 0, 0].tolist() == tags
 
 
 @contract
@@ -1311,7 +1431,7 @@ def test_should_stop_closes_every_client_with_run_finished_and_run_returns_0(tmp
 
     algo = StopsAtTen()
     status, closes = run_server(algo, tmp_path, script)
-    assert status == 0 and closes == [(1000, "run finished"), (1000, "run finished")]
+    assert status == 0 and closes == [RUN_END, RUN_END]
     assert algo.global_step >= 10 and algo.checkpoints == 1  # the final checkpoint
 
 
@@ -1343,7 +1463,7 @@ async def leave_after_metadata(port, tag, abort) -> int:
 
 async def leave_after_infer_before_action(port, tag, abort) -> int:
     client = await Client.connect(port)
-    await client.ws.send(pack_message(infer_message((0,), tag)))
+    await client.ws.send(pack_message(infer_message((0,), [tag])))
     await hang_up(client, abort)
     return 0
 
@@ -1415,7 +1535,7 @@ def test_clients_that_disconnect_at_every_point_lose_and_duplicate_nothing(tmp_p
 
     status, (good_fed, reason) = run_server(algo, tmp_path, script)
     stored = collections.Counter(float(frame["runtime_state"]["tag"]) for frame in algo.frames)
-    assert status == 0 and reason == "run finished"
+    assert status == 0 and reason == RUN_END[1]
     assert algo.global_step == len(algo.frames) == n
     assert good_fed == n - left_frames
     assert stored == {1.0: good_fed, **{float(tag): fed for tag, fed in sent.items() if fed}}  # none twice
@@ -1499,7 +1619,7 @@ def run_with_a_late_client(tmp_path, hold):
 def test_a_client_that_arrives_as_the_run_ends_is_told_the_run_finished_and_exits_0(tmp_path, hold, capsys):
     status, closed, late_status = run_with_a_late_client(tmp_path, hold)
     late_output = capsys.readouterr().out
-    assert status == 0 and closed == (1000, "run finished")
+    assert status == 0 and closed == RUN_END
     assert late_status == 0 and "the server ended the run |" in late_output, late_output
 
 
@@ -1509,7 +1629,7 @@ def test_a_client_that_arrives_as_the_run_ends_is_told_the_run_finished_and_exit
 def test_an_exception_in_a_hook_tells_every_client_the_server_failed_and_run_returns_1(tmp_path, capsys, hook):
     status, closes = run_server(Faulty(hook), tmp_path, two_clients_until_closed)
     assert status == 1
-    assert closes == ((1011, "server failed: RuntimeError"), (1011, "server failed: RuntimeError"))
+    assert closes == (hook_failed("RuntimeError"), hook_failed("RuntimeError"))
     log = capsys.readouterr().err
     assert "Traceback (most recent call last)" in log and f"RuntimeError: deliberate fault in {hook}" in log
 
@@ -1543,8 +1663,8 @@ def test_an_exception_in_a_hook_writes_no_checkpoint(tmp_path, hook):
 @pytest.mark.parametrize("hook", ["infer", "feedback"])
 def test_an_exception_in_infer_or_feedback_after_a_stored_frame_writes_no_final_checkpoint(tmp_path, hook):
     algo = FaultyLater(hook)
-    status, (code, _) = run_server(algo, tmp_path, two_decisions_until_closed)
-    assert (status, code, algo.global_step) == (1, 1011, 1)  # a frame was stored: a stop would save it
+    status, closed = run_server(algo, tmp_path, two_decisions_until_closed)
+    assert (status, closed, algo.global_step) == (1, hook_failed("RuntimeError"), 1)  # a stop would save it
     assert checkpoint_steps(tmp_path) == []
 
 
@@ -1577,7 +1697,7 @@ def test_an_algorithm_that_raises_in_learn_exits_1_and_its_client_exits_saying_t
         server_status = server.wait(60)
     assert server_status == 1, server.stdout() + server.stderr()
     assert "Traceback" in server.stderr() and "RuntimeError: deliberate failure in learn_impl" in server.stderr()
-    assert client_status != 0 and "the server failed (server failed: RuntimeError)" in capsys.readouterr().err
+    assert client_status != 0 and f"the server failed ({hook_failed('RuntimeError')[1]})" in capsys.readouterr().err
     assert checkpoint_steps(run_dir) == []
 
 
@@ -1639,8 +1759,7 @@ def test_an_infer_for_no_environment_is_answered_without_calling_the_algorithms_
 
     async def script(port, server):
         client = await Client.connect(port)
-        await client.ws.send(pack_message({"message_type": "infer", "env_indices": np.zeros(0, np.int64),
-                                           "obs": {"state": np.zeros((0, 3), np.float32)}}))
+        await client.ws.send(pack_message(infer_message([], [])))
         empty = await client.receive()
         step = await client.step([0], [1])  # the connection still works, the run too
         await eventually(lambda: len(algo.frames) == 1)
@@ -1648,8 +1767,7 @@ def test_an_infer_for_no_environment_is_answered_without_calling_the_algorithms_
         return empty, step
 
     status, (empty, step) = run_server(algo, tmp_path, script)
-    assert empty["message_type"] == "action" and empty["action"].shape == (0, 1, 1)
-    assert step["message_type"] == "action" and status == 0
+    assert actions_of(empty).shape == (0, 1, 1) and actions_of(step).shape == (1, 1, 1) and status == 0
     assert [event for event in algo.events if event[0] == "infer"] == [("infer", [1.0])]
 
 
@@ -1669,7 +1787,8 @@ def stopped_run(tmp_path_factory):
     """A dummy run (a learn every 100 frames, a save every learn) stopped by SIGTERM at step 351, mid-decision."""
     tmp = tmp_path_factory.mktemp("stopped")
     run_dir = tmp / "run"
-    with Background(tmp, "server", dummy_server(run_dir, "--algo.global-steps", "1000000000")) as server:
+    with deadline_of("the stopped run", 120), \
+            Background(tmp, "server", dummy_server(run_dir, "--algo.global-steps", "1000000000")) as server:
         fed, closed = asyncio.run(feed(server.port(), STOPPED_AT, then=lambda: server.proc.send_signal(signal.SIGTERM)))
         status = server.wait(30)
     return types.SimpleNamespace(run_dir=run_dir, fed=fed, closed=closed, status=status, out=server.stdout(),
@@ -1679,7 +1798,7 @@ def stopped_run(tmp_path_factory):
 @contract
 def test_sigterm_writes_a_final_checkpoint_tells_the_clients_and_exits_0(stopped_run):
     assert stopped_run.status == 0, stopped_run.err
-    assert stopped_run.closed == (1000, "run finished")
+    assert stopped_run.closed == RUN_END
     assert "run finished: global step 351, 3 learns" in stopped_run.out
     assert checkpoint_steps(stopped_run.run_dir) == [200, 300, 351]
 
@@ -1706,7 +1825,7 @@ def test_resume_continues_the_global_step_learn_cadence_and_save_cadence_exactly
     status, out, err = run_main(*dummy_server(run_dir, "--algo.global-steps", "600", "--resume", port=port)[1:])
     client.join(30)
     assert status == 0 and "resumed from step 351" in out, err
-    assert fed == [(600 - 351, (1000, "run finished"))]  # the global step went on from 351
+    assert fed == [(600 - 351, RUN_END)]  # the global step went on from 351
     resumed = read_metrics(run_dir)[3:]
     assert [line["step"] for line in resumed] == [400, 500, 600]  # learns on the cadence, not at 451, 551
     assert [line["server/policy_version"] for line in resumed] == [4, 5, 6]  # the server's counters came back
@@ -1721,7 +1840,7 @@ def test_sigint_writes_a_final_checkpoint_tells_the_clients_and_exits_0(tmp_path
     with Background(tmp_path, "server", dummy_server(run_dir)) as server:
         fed, closed = asyncio.run(feed(server.port(), 42, then=lambda: server.proc.send_signal(signal.SIGINT)))
         status = server.wait(30)
-    assert status == 0 and closed == (1000, "run finished"), server.stderr()
+    assert status == 0 and closed == RUN_END, server.stderr()
     assert checkpoint_steps(run_dir) == [42]
 
 
@@ -1918,7 +2037,7 @@ def test_a_second_sigterm_within_50_ms_is_the_same_request_a_final_checkpoint_an
     with Background(tmp_path, "server", dummy_server(run_dir)) as server:
         fed, closed = asyncio.run(feed(server.port(), 42, then=lambda: sigterm_twice(server.proc)))
         status = server.wait(30)
-    assert status == 0 and closed == (1000, "run finished"), server.stderr()
+    assert status == 0 and closed == RUN_END, server.stderr()
     assert checkpoint_steps(run_dir) == [42]
     assert "without a final checkpoint" not in server.stderr()
 
@@ -1933,7 +2052,7 @@ def test_two_sigterms_50_or_300_ms_apart_are_one_request_and_exit_0(tmp_path, ga
             server.proc.send_signal(signal.SIGTERM)
         fed, closed = asyncio.run(feed(server.port(), 250, then=sigterm_twice))
         status = server.wait(30)
-    assert status == 0 and closed == (1000, "run finished"), server.stderr()
+    assert status == 0 and closed == RUN_END, server.stderr()
     assert checkpoint_steps(run_dir)[-1] == 250
 
 
@@ -2087,7 +2206,7 @@ def test_a_checkpoint_that_cannot_load_with_weights_only_fails_the_run_instead_o
         return client.ws.close_reason
 
     status, reason = run_server(SavesNumpyInMeta(fault=None), tmp_path, one_decision)
-    assert status == 1 and reason.startswith("server failed")
+    assert status == 1 and reason == hook_failed("TypeError")[1]
     assert checkpoint_steps(tmp_path) == []
 
 
@@ -2241,9 +2360,8 @@ async def one_frame_then_closed(port, server):
 
 @contract
 def test_a_misnamed_feedback_keyword_fails_the_run_on_its_first_frame(tmp_path):
-    status, (code, reason) = run_server(MisnamedKeyword(), tmp_path, one_frame_then_closed)
-    assert status == 1
-    assert code == 1011 and reason.startswith("server failed: TypeError")
+    status, closed = run_server(MisnamedKeyword(), tmp_path, one_frame_then_closed)
+    assert status == 1 and closed == hook_failed("TypeError")
 
 
 @contract
@@ -2515,7 +2633,7 @@ def test_the_pages_template_runs_as_a_plugin_until_global_steps(tmp_path, launch
         status = server.wait(60)
     assert status == 0, server.stderr()
     assert "run finished: global step 400" in server.stdout()
-    assert fed == 400 and closed == (1000, "run finished")
+    assert fed == 400 and closed == RUN_END
     assert os.path.exists(tmp_path / "run" / "checkpoints" / "step_000000000400.pt")
 
 
@@ -2735,13 +2853,13 @@ def test_pg_resume_continues_the_learn_cadence_exactly(tmp_path):
     client, first = in_a_thread(asyncio.run, feed(port))
     assert run_main(*command, "--algo.global-steps", "250")[0] == 0
     client.join(30)
-    assert first == [(250, (1000, "run finished"))]
+    assert first == [(250, RUN_END)]
     assert checkpoint_steps(run_dir) == [100, 200, 250]  # the last one mid-batch: 50 frames stored
     client, resumed = in_a_thread(asyncio.run, feed(port))
     status, out, err = run_main(*command, "--resume", "--algo.global-steps", "500")
     client.join(30)
     assert status == 0 and "resumed from step 250" in out, err
-    assert resumed == [(250, (1000, "run finished"))]  # the global step went on from 250
+    assert resumed == [(250, RUN_END)]  # the global step went on from 250
     assert [line["step"] for line in read_metrics(run_dir)] == [100, 200, 300, 400, 500]
     assert [line["server/policy_version"] for line in read_metrics(run_dir)] == [1, 2, 3, 4, 5]
     payload = torch.load(run_dir / "checkpoints" / "step_000000000500.pt", weights_only=True)
@@ -2767,7 +2885,7 @@ def test_a_client_killed_mid_segment_never_stalls_pg(tmp_path, one_torch_thread)
             await doomed.wait()
 
     status, (_, closed) = run_server(algo, tmp_path, script, timeout=240, learn_threads=1)
-    assert status == 0 and closed == (1000, "run finished")
+    assert status == 0 and closed == RUN_END
     assert read_metrics(tmp_path, event="end")[0]["step"] == 1000
 
 
@@ -3042,7 +3160,7 @@ def test_resume_continues_the_update_schedule_over_the_wire(tmp_path):
     status, out, err = run_main(*command, "--algo.global-steps", "400", "--resume")
     client.join(30)
     assert status == 0 and "resumed from step 300" in out, err
-    assert (first, second) == ([(300, (1000, "run finished"))], [(100, (1000, "run finished"))])
+    assert (first, second) == ([(300, RUN_END)], [(100, RUN_END)])
     payload = torch.load(run_dir / "checkpoints" / "step_000000000400.pt", weights_only=True)
     assert payload["meta"]["updates"] == 400 - 100  # one update slot per frame past learning_starts, both runs
 
@@ -3474,12 +3592,11 @@ def test_a_big_endian_array_is_refused_with_an_error_saying_little_endian(tmp_pa
     async def script(port, server):
         client = await Client.connect(port)
         await client.ws.send(frame)
-        return await client.receive(), await client.closed()
+        return await refusal_of(client.ws)
 
-    status, (reply, (code, _)) = run_server(Probe(), tmp_path, script)
-    assert reply["message_type"] == "error" and "little-endian" in reply["message"], reply
-    assert "'>f4'" in reply["message"] and "<f4 or float32" in reply["message"]
-    assert code == 1008 and status == 0
+    status, refusal = run_server(Probe(), tmp_path, script)
+    assert "little-endian" in refusal.error and "'>f4'" in refusal.error and "<f4 or float32" in refusal.error
+    assert refusal.code == REFUSED and status == 0
 
 
 def test_a_header_with_a_space_before_its_json_says_where_the_json_must_start():
@@ -3544,28 +3661,25 @@ def raw_exchange(port, *frames: bytes) -> list[tuple[int, bytes]]:
 
 
 def test_an_unmasked_client_frame_closes_the_connection_with_1002_and_no_error_message(tmp_path):
-    infer = pack_message({"message_type": "infer", "env_indices": np.array([0], np.int64), "obs": obs_of([0.5])})
+    infer = pack_message(infer_message([0], [0.5]))
     _, [(opcode, payload)] = run_server(Probe(), tmp_path, lambda port, server: asyncio.to_thread(
         raw_exchange, port, ws_frame(infer, mask=False)))
     assert opcode == 8 and payload[:2] == (1002).to_bytes(2, "big") and payload[2:] == b"incorrect masking"
 
 
 def test_an_infer_in_two_fragments_is_answered_as_one_message(tmp_path):
-    infer = pack_message({"message_type": "infer", "env_indices": np.array([0], np.int64), "obs": obs_of([0.5])})
+    infer = pack_message(infer_message([0], [0.5]))
     fragments = [ws_frame(infer[:10], opcode=2, fin=False), ws_frame(infer[10:], opcode=0)]
     _, [(opcode, payload)] = run_server(Probe(), tmp_path, lambda port, server: asyncio.to_thread(
         raw_exchange, port, *fragments))
-    reply = unpack_message(payload)
-    assert opcode == 2 and reply["message_type"] == "action" and reply["action"].ravel().tolist() == [0.5]
+    assert opcode == 2 and actions_of(unpack_message(payload)).ravel().tolist() == [0.5]
 
 
 def test_an_infer_for_no_environment_gets_an_action_for_no_environment(tmp_path):
-    infer = pack_message({"message_type": "infer", "env_indices": np.zeros(0, np.int64),
-                          "obs": {"state": np.zeros((0, 3), np.float32)}})
+    infer = pack_message(infer_message([], []))
     _, [(opcode, payload)] = run_server(dummy_algo(small_policy(), None), tmp_path, lambda port, server:
                                         asyncio.to_thread(raw_exchange, port, ws_frame(infer)))
-    reply = unpack_message(payload)
-    assert opcode == 2 and reply["message_type"] == "action" and reply["action"].shape == (0, 1, 1)
+    assert opcode == 2 and actions_of(unpack_message(payload)).shape == (0, 1, 1)
 
 
 # =============================================================================================
@@ -4028,7 +4142,7 @@ def test_a_metrics_file_that_cannot_be_written_is_named_and_the_clients_are_not_
     (tmp_path / "metrics.jsonl").symlink_to("/dev/full")  # a full disk: every write fails
     status, closes = run_server(Faulty(None), tmp_path, two_clients_until_closed, log_every=1)
     err = capsys.readouterr().err
-    assert status == 1 and closes == ((1011, "server failed: OSError in its run directory"),) * 2
+    assert status == 1 and closes == (hook_failed("OSError in its run directory"),) * 2
     assert f"error: cannot write {tmp_path / 'metrics.jsonl'}: No space left on device" in err
     assert "Traceback" not in err
 
@@ -4211,16 +4325,14 @@ BAD_FIELDS = [
 ]
 
 
-async def refused(port, message) -> tuple:
-    """Send message on a fresh connection (a feedback after an infer of its environments):
-    the server's reply, the close code and its reason."""
+async def refused(port, message) -> Refusal:
+    """Send message on a fresh connection (a feedback after an infer of its environments): what the server
+    did about it."""
     client = await Client.connect(port)
     if message["message_type"] == "feedback":
         await client.infer(list(range(N)), [1, 2])
     await client.ws.send(pack_message(message))
-    reply = await client.receive()
-    code, reason = await client.closed()
-    return reply, code, reason
+    return await refusal_of(client.ws)
 
 
 def case_id(case):
@@ -4235,12 +4347,9 @@ def test_a_wrong_or_missing_field_gets_an_error_naming_the_field_and_what_it_mus
                                                                                     case):
     kind, path, bad, field, expected = case
     message = with_field(good_message(kind), path, bad)
-    status, (reply, code, reason) = run_server(Probe(), tmp_path,
-                                               lambda port, server: refused(port, message))
-    assert reply["message_type"] == "error", reply
-    assert f"{field} {expected}; got" in reply["message"], reply["message"]
-    assert (code, reason) == (1008, reply["message"].encode()[:120].decode(errors="ignore"))
-    assert status == 0
+    status, refusal = run_server(Probe(), tmp_path, lambda port, server: refused(port, message))
+    assert refusal.sent == "error" and f"{field} {expected}; got" in refusal.error, refusal
+    assert (refusal.code, refusal.reason) == refused_with(refusal.error) and status == 0
 
 
 def test_info_and_info_episode_may_be_left_out(tmp_path):
@@ -4262,15 +4371,13 @@ def test_arrays_inside_a_json_list_in_feedback_info_are_refused_naming_the_field
     async def script(port, server):
         client = await Client.connect(port)
         await client.infer([0], [1])
-        message = {"message_type": "feedback", "env_indices": np.array([0], np.int64), "obs": obs_of([1]),
-                   "reward": np.zeros(1, np.float32), "terminated": np.zeros(1, bool),
-                   "truncated": np.zeros(1, bool), "info": {"contacts": [np.zeros(1, np.float32)]}}
+        message = feedback_message([0], [1], info={"contacts": [np.zeros(1, np.float32)]})
         await client.ws.send(pack_message(message))
-        return await client.receive(), await client.closed()
+        return await refusal_of(client.ws)
 
-    _, (error, closed) = run_server(Probe(), tmp_path, script)
-    assert error["message"] == "feedback.info.contacts must be an array [m, ...] with m = 1; got a list"
-    assert closed[0] == 1008
+    _, refusal = run_server(Probe(), tmp_path, script)
+    assert refusal.error == "feedback.info.contacts must be an array [m, ...] with m = 1; got a list"
+    assert refusal.code == REFUSED
 
 
 def test_a_reward_beyond_float32_is_refused_naming_the_field_and_no_other_client_gets_a_nan(tmp_path):
@@ -4281,16 +4388,14 @@ def test_a_reward_beyond_float32_is_refused_naming_the_field_and_no_other_client
     async def script(port, server):
         bad = await Client.connect(port)
         await bad.infer([0], [0.5])
-        await bad.ws.send(pack_message({"message_type": "feedback", "env_indices": np.array([0], np.int64),
-                                        "obs": obs_of([0.5]), "reward": np.array([1e300]),  # finite, as float64
-                                        "terminated": np.array([False]), "truncated": np.array([False])}))
-        error = await bad.receive()
+        await bad.ws.send(pack_message(feedback_message([0], [0.5], reward=np.array([1e300]))))  # float64
+        refusal = await refusal_of(bad.ws)
         good = await Client.connect(port)
-        actions = [(await good.step(list(range(8)), [0.1 * i for i in range(8)]))["action"] for _ in range(4)]
-        return error, actions, server.version
+        actions = [actions_of(await good.step(list(range(8)), [0.1 * i for i in range(8)])) for _ in range(4)]
+        return refusal, actions, server.version
 
-    status, (error, actions, learns) = run_server(algo, tmp_path, script)
-    assert error["message"] == "feedback.reward holds NaN, infinity or a value beyond float32's range"
+    status, (refusal, actions, learns) = run_server(algo, tmp_path, script)
+    assert refusal.error == "feedback.reward holds NaN, infinity or a value beyond float32's range"
     assert learns >= 2 and all(np.isfinite(action).all() for action in actions)
 
 
@@ -4300,9 +4405,8 @@ def feedback_of(state=0.5, reward=0.0, episode_r=None, extra=None) -> dict:
     if episode_r is not None:
         info["episode"] = {"r": np.array([episode_r]), "l": np.array([1]), "s": np.array([True]),
                            "mask": np.array([True])}
-    return {"message_type": "feedback", "env_indices": np.array([0], np.int64),
-            "obs": {"state": np.array([[state]], np.float32)}, "reward": np.array([reward]),
-            "terminated": np.array([False]), "truncated": np.array([False]), "info": info}
+    return feedback_message([0], obs={"state": np.array([[state]], np.float32)}, reward=np.array([reward]),
+                            info=info)
 
 
 @pytest.mark.parametrize("message, refused", [
@@ -4321,8 +4425,8 @@ def test_the_reward_and_episode_return_must_fit_float32_observations_be_finite_o
 
 def test_every_key_of_a_dict_observation_is_checked_a_wrong_dtype_in_the_second_is_refused_naming_it():
     spec = {"image": ((16, 16, 3), np.dtype("uint8")), "state": ((2,), np.dtype("float32"))}  # the README's camera
-    message = {"message_type": "infer", "env_indices": np.array([0], np.int64),
-               "obs": {"image": np.zeros((1, 16, 16, 3), np.uint8), "state": np.zeros((1, 2), np.float64)}}
+    message = infer_message([0], obs={"image": np.zeros((1, 16, 16, 3), np.uint8),
+                                      "state": np.zeros((1, 2), np.float64)})
     with pytest.raises(ProtocolError, match=re.escape("infer.obs.state must be float32 [1, 2]; got float64 [1, 2]")):
         plugrl_min.check_message(message, spec)
 
@@ -4348,24 +4452,21 @@ def test_a_protocol_violation_gets_an_error_then_closes_that_connection_alone(tm
         elif bad == "unknown message_type":
             await offender.ws.send(pack_message({"message_type": "hello"}))
         elif bad == "obs of the wrong shape":
-            await offender.ws.send(pack_message({"message_type": "infer", "env_indices": np.array([0]),
-                                                 "obs": {"state": np.zeros((1, 2), np.float32)}}))
+            await offender.ws.send(pack_message(infer_message([0], obs={"state": np.zeros((1, 2), np.float32)})))
         elif bad == "feedback without an action":
             await offender.feedback([0], [2])
         else:
             await offender.infer([0], [2])
-            await offender.ws.send(pack_message({"message_type": "infer", "env_indices": np.array([0]),
-                                                 "obs": obs_of([2])}))
-        error = await offender.receive()
-        code, _ = await offender.closed()
+            await offender.ws.send(pack_message(infer_message([0], [2])))
+        refusal = await refusal_of(offender.ws)
         await good.step([0], [1])  # the other client is still served
         await eventually(lambda: len(algo.frames) == 2)
         await good.close()
-        return error, code
+        return refusal
 
-    status, (error, code) = run_server(algo, tmp_path, script)
-    assert error["message_type"] == "error" and error["message"] and error["hint"]
-    assert code == 1008 and status == 0
+    status, refusal = run_server(algo, tmp_path, script)
+    assert refusal.sent == "error" and refusal.error  # with its hint
+    assert refusal.code == REFUSED and status == 0
 
 
 BAD_TAG = 7.0  # every bad connection's observations carry this tag; the good client's carry 1 and 2
@@ -4588,36 +4689,30 @@ def _(rng):
     return False, b"\0" * (FUZZ_MAX_BYTES + int(rng.integers(1, 4096)))
 
 
-EXPECTED = collections.defaultdict(lambda: "error, close 1008", {"oversized frame": "no error, close 1009"})
+AN_ERROR_THEN_A_CLOSE = f"error, close {REFUSED}"  # what outcome_of says of a message the server refused
+TOO_BIG_A_FRAME = f"no error, close {TOO_BIG}"  # and of a frame over its size limit
+EXPECTED = collections.defaultdict(lambda: AN_ERROR_THEN_A_CLOSE, {"oversized frame": TOO_BIG_A_FRAME})
 FUZZ_PER_KIND = 80  # 27 kinds: 2,160 malformed frames
 FUZZ_MAX_BYTES = 256 * 1024
 FUZZ_BATCH = 60  # bad connections open at once
 
 
 async def outcome_of(ws, messages=None) -> str:
-    """What the server did after a bad frame; the contract is 'error, close 1008' (1009 for a frame too big).
+    """What the server did after a bad frame, in words (AN_ERROR_THEN_A_CLOSE; TOO_BIG_A_FRAME for a frame too big).
 
     The error's message is appended to `messages`, when given.
     """
-    try:
-        message = unpack_message(await asyncio.wait_for(ws.recv(), 10))
-    except websockets.ConnectionClosed:
-        told = "no error"
-    except (TimeoutError, asyncio.TimeoutError):
+    refusal = await refusal_of(ws)
+    if refusal.code is None:
         await ws.close()
+    if refusal.sent not in (None, "error"):
+        return f"accepted (got {refusal.sent})"
+    if refusal.sent is None and refusal.code is None:
         return "no reply in 10 s"
-    else:
-        if message.get("message_type") != "error":
-            await ws.close()
-            return f"accepted (got {message.get('message_type')})"
-        told = "error" if message.get("message") and message.get("hint") else "error without message or hint"
-        if messages is not None:
-            messages.append(message.get("message"))
-    try:
-        await asyncio.wait_for(ws.wait_closed(), 10)
-    except (TimeoutError, asyncio.TimeoutError):
-        return f"{told}, left open"
-    return f"{told}, close {ws.close_code}"
+    told = "no error" if refusal.sent is None else "error" if refusal.error else "error without message or hint"
+    if messages is not None and refusal.error is not None:
+        messages.append(refusal.error)
+    return f"{told}, left open" if refusal.code is None else f"{told}, close {refusal.code}"
 
 
 async def one_bad_connection(port, kind, rng) -> tuple[str, str | None]:
@@ -4649,7 +4744,7 @@ async def one_bad_connection(port, kind, rng) -> tuple[str, str | None]:
 def format_table(tried, examples, good) -> str:
     lines = [f"malformed frames tried: {sum(sum(c.values()) for c in tried.values())} (one per connection, "
              f"{FUZZ_BATCH} connections at a time), while a good client fed {good} frames", "",
-             f"{'kind':48s} {'tried':>5s}  what each produced (expected: error, close 1008)"]
+             f"{'kind':48s} {'tried':>5s}  what each produced (expected: error, close {REFUSED})"]
     for kind in MALFORMED:
         produced = ", ".join(f"{outcome}: {n}" for outcome, n in tried[kind].most_common())
         mark = "" if set(tried[kind]) == {EXPECTED[kind]} else "   <-- NOT AS EXPECTED"
@@ -4726,7 +4821,7 @@ def test_feedback_with_a_malformed_info_episode_gets_an_error_and_the_server_kee
         return outcome
 
     status, outcome = run_server(algo, tmp_path, script)
-    assert outcome == "error, close 1008" and status == 0
+    assert outcome == AN_ERROR_THEN_A_CLOSE and status == 0
     assert [float(frame["runtime_state"]["tag"]) for frame in algo.frames] == [1.0]
 
 
@@ -4746,7 +4841,7 @@ def test_a_frame_over_max_message_bytes_closes_that_connection_with_1009_and_the
         return outcome
 
     status, outcome = run_server(algo, tmp_path, script, max_message_bytes=64 * 1024)
-    assert outcome == "no error, close 1009" and status == 0
+    assert outcome == TOO_BIG_A_FRAME and status == 0
 
 
 def test_an_env_client_refused_for_size_stops_at_once_naming_the_limit_and_the_flag(tmp_path, capsys):
@@ -4778,27 +4873,27 @@ def test_an_env_client_stopped_by_a_size_limit_says_whose_limit_to_raise(tmp_pat
 def test_the_default_max_message_bytes_is_16_mib(tmp_path):
     async def script(port, server):
         at_limit, over = await Client.connect(port), await Client.connect(port)
-        await at_limit.ws.send(b"\0" * 2**24)  # read, then refused as a malformed message: 1008
-        await over.ws.send(b"\0" * (2**24 + 1))  # refused for its size: 1009
+        await at_limit.ws.send(b"\0" * 2**24)  # read, then refused as a malformed message
+        await over.ws.send(b"\0" * (2**24 + 1))  # refused for its size
         return await outcome_of(at_limit.ws), await outcome_of(over.ws)
 
     _, outcomes = run_server(Probe(), tmp_path, script)
-    assert outcomes == ("error, close 1008", "no error, close 1009")
+    assert outcomes == (AN_ERROR_THEN_A_CLOSE, TOO_BIG_A_FRAME)
 
 
 def test_an_infer_with_more_environments_than_the_cap_is_refused_before_the_policy_runs(tmp_path):
     async def script(port, server):
         client = await Client.connect(port)
         await client.step([0, 1, 2], [0.1, 0.2, 0.3])
-        reply = await client.infer([3, 4], [0.4, 0.5])  # five environments on one connection
-        return reply, await client.closed()
+        await client.ws.send(pack_message(infer_message([3, 4], [0.4, 0.5])))  # five on one connection
+        return await refusal_of(client.ws)
 
     probe = Probe()
-    status, (reply, closed) = run_server(probe, tmp_path, script, max_envs_per_client=4)
-    assert reply["message"] == ("infer: a connection may use at most 4 environments (the server's "
-                                "--max-envs-per-client)")
+    status, refusal = run_server(probe, tmp_path, script, max_envs_per_client=4)
+    assert refusal.error == ("infer: a connection may use at most 4 environments (the server's "
+                             "--max-envs-per-client)")
     infers = [tags for event, *tags in probe.events if event == "infer"]
-    assert closed[0] == 1008 and len(infers) == 1  # the first; the policy never saw the second
+    assert refusal.code == REFUSED and len(infers) == 1  # the first; the policy never saw the second
 
 
 def test_exactly_max_envs_per_client_environments_are_served(tmp_path):
@@ -4807,7 +4902,7 @@ def test_exactly_max_envs_per_client_environments_are_served(tmp_path):
         return await client.step([0, 1, 2, 3], [0.1, 0.2, 0.3, 0.4])  # four environments: the cap
 
     _, reply = run_server(Probe(), tmp_path, script, max_envs_per_client=4)
-    assert reply["message_type"] == "action" and len(reply["action"]) == 4
+    assert len(actions_of(reply)) == 4
 
 
 def test_a_client_at_or_under_the_cap_infers_the_environments_it_holds_again_and_again(tmp_path):
@@ -4818,7 +4913,7 @@ def test_a_client_at_or_under_the_cap_infers_the_environments_it_holds_again_and
         return replies
 
     _, replies = run_server(Probe(), tmp_path, script, max_envs_per_client=4)
-    assert [len(reply["action"]) for reply in replies] == [3, 3, 3, 4, 4, 4]
+    assert [len(actions_of(reply)) for reply in replies] == [3, 3, 3, 4, 4, 4]
 
 
 # --- The feedback timeout: a client silent too long is dropped, one waiting on a learn is kept ----
@@ -4840,20 +4935,19 @@ def test_a_client_silent_after_an_action_is_dropped_after_the_feedback_timeout_a
         stepping = asyncio.create_task(keeps_stepping(good, stop))
         await silent.infer([0], [BAD_TAG])
         acted = time.monotonic()
-        error = unpack_message(await asyncio.wait_for(silent.ws.recv(), 60))
+        refusal = await refusal_of(silent.ws, wait=60)
         dropped_after = time.monotonic() - acted
-        closed = await silent.closed()
         stop.set()
         steps = await stepping
         await eventually(lambda: len(algo.frames) == steps)
         good_open = good.ws.close_code is None
         await good.close()
-        return error["message_type"], dropped_after, closed[0], steps, good_open
+        return refusal, dropped_after, steps, good_open
 
     # 3 s, not 0.5: the good client owes feedback for a moment after every action, and a busy machine can stall
     # this process (server and clients alike) for half a second; the timeout is the good client's margin.
-    _, (kind, dropped_after, code, steps, good_open) = run_server(algo, tmp_path, script, feedback_timeout=3.0)
-    assert kind == "error" and code == 1008
+    _, (refusal, dropped_after, steps, good_open) = run_server(algo, tmp_path, script, feedback_timeout=3.0)
+    assert (refusal.code, refusal.reason) == silent_after(3.0)
     assert 2.9 <= dropped_after  # the server counts from its send, a little before the client reads
     assert good_open and steps > 0 and len(algo.frames) == steps
 
@@ -4862,10 +4956,11 @@ def test_a_silent_clients_error_message_says_what_happened(tmp_path):
     async def script(port, server):
         silent = await Client.connect(port)
         await silent.infer([0], [BAD_TAG])
-        return await silent.receive()
+        return await refusal_of(silent.ws)
 
-    _, error = run_server(Probe(), tmp_path, script, feedback_timeout=0.3)
-    assert error["message_type"] == "error" and error["message"] == "client silent: no feedback for 0.3 s of serving" and error["hint"]
+    _, refusal = run_server(Probe(), tmp_path, script, feedback_timeout=0.3)
+    assert refusal.error == "client silent: no feedback for 0.3 s of serving"  # with its hint
+    assert (refusal.code, refusal.reason) == silent_after(0.3)
 
 
 def test_a_client_that_owes_feedback_while_the_server_learns_longer_than_the_timeout_is_kept(tmp_path):
@@ -4888,7 +4983,7 @@ def test_a_client_that_owes_feedback_while_the_server_learns_longer_than_the_tim
         return again
 
     _, again = run_server(algo, tmp_path, script, feedback_timeout=0.5)
-    assert again["message_type"] == "action" and algo.learns == 1
+    assert len(actions_of(again)) == 1 and algo.learns == 1
     assert sorted(float(frame["runtime_state"]["tag"]) for frame in algo.frames) == [1.0, 2.0, 2.0]
 
 
@@ -4911,8 +5006,8 @@ def test_an_environment_owing_feedback_past_the_timeout_gets_its_client_dropped_
             return None, time.monotonic() - started, (client.ws.close_code, client.ws.close_reason)
         return None, None, None
 
-    _, (error, after, (code, reason)) = run_server(algo, tmp_path, script, feedback_timeout=0.5)
-    assert code == 1008 and reason == "client silent: no feedback for 0.5 s of serving"
+    _, (error, after, closed) = run_server(algo, tmp_path, script, feedback_timeout=0.5)
+    assert closed == silent_after(0.5)
     assert 0.45 <= after  # never before the timeout; on a busy machine the drop may come a few seconds late
 
 
@@ -4939,7 +5034,7 @@ def test_a_client_owing_feedback_while_another_trains_is_dropped_after_the_timeo
         return silent.ws.close_code, silent.ws.close_reason, waited, learned
 
     status, (code, reason, waited, learned) = run_server(Learns(), tmp_path, script, feedback_timeout=1.5)
-    assert (code, reason) == (1008, "client silent: no feedback for 1.5 s of serving")
+    assert (code, reason) == silent_after(1.5)
     # Learns came all the while, for longer than the tick's half second of slack: their time did not count.
     # (0.1 s: the action reached this client a little after the server sent it.)
     assert learned > 0.6 and 1.5 + learned - 0.1 <= waited < 40
@@ -5025,10 +5120,10 @@ def test_the_server_serves_a_client_with_the_token(tmp_path):
         client = Client(ws, unpack_message(await asyncio.wait_for(ws.recv(), 10)))
         reply = await client.step([0], [1])
         await client.close()
-        return client.metadata["message_type"], reply["message_type"]
+        return client.metadata["message_type"], len(actions_of(reply))
 
-    _, kinds = run_server(Probe(), tmp_path, script, token="s3cret")
-    assert kinds == ("metadata", "action")
+    _, (kind, actions) = run_server(Probe(), tmp_path, script, token="s3cret")
+    assert (kind, actions) == ("metadata", 1)
 
 
 def test_env_clients_without_the_servers_token_exit_nonzero_and_with_it_train(tmp_path, monkeypatch, capsys):
@@ -5783,17 +5878,15 @@ class TwoKeys(plugrl_min.VecEnv):
 
 
 def test_a_client_whose_observation_keys_differ_from_the_servers_stops_naming_the_first_key():
-    metadata = {"message_type": "metadata", "protocol_version": 1, "action_dim": 1, "num_actions": None,
-                "action_horizon": 1, "obs_spec": {"state": {"shape": [3], "dtype": "<f4"}}}  # dummy-policy's
+    metadata = metadata_message()  # dummy-policy's
     with pytest.raises(plugrl_min.CommandError, match=r"observation 'image': the policy reads nothing, this environment "
                                          r"gives uint8 \[16, 16, 3\]"):
         plugrl_min.check_metadata(metadata, MultiAction(TwoKeys(2)), closed_loop=False)
 
 
 def test_a_client_whose_observation_shape_differs_names_the_key_and_both_shapes():
-    metadata = {"message_type": "metadata", "protocol_version": 1, "action_dim": 1, "num_actions": None,
-                "action_horizon": 1, "obs_spec": {"image": {"shape": [16, 16, 3], "dtype": "|u1"},
-                                                  "state": {"shape": [3], "dtype": "float32"}}}
+    metadata = metadata_message(obs_spec={"image": {"shape": [16, 16, 3], "dtype": "|u1"},
+                                          "state": {"shape": [3], "dtype": "float32"}})
     with pytest.raises(plugrl_min.CommandError, match=r"observation 'state': the policy reads float32 \[3\], this environment "
                                          r"gives float32 \[2\]"):
         plugrl_min.check_metadata(metadata, MultiAction(TwoKeys(2)), closed_loop=False)
@@ -6201,7 +6294,7 @@ def test_a_local_client_whose_log_cannot_be_read_still_stops_the_run_cleanly_nam
 
     status, (_, closed) = run_server(Probe(), tmp_path / "run", script)
     err = capsys.readouterr().err
-    assert status == 1 and closed == (1000, "run finished"), err
+    assert status == 1 and closed == RUN_END, err
     assert (f"error: local env client 1 exited with status 1: (its log cannot be read: No such file or "
             f"directory) (its log: {log})") in err
 
@@ -6850,38 +6943,41 @@ def two_ranks(tmp_path_factory):
     """recorded-pg (pg that records its distributed hooks) on dummy-v1 under two ranks and one local
     client: SIGTERM to the launcher after 12 learns, then --resume to 32,768 steps under two launchers, as on
     two machines (README.md's commands): rank 1's in a folder of its own, where it writes nothing."""
-    tmp_path = tmp_path_factory.mktemp("two-ranks")
-    write_plugin(tmp_path, "plugrl_test_recorded_pg", RECORDED_PG)
-    calls = tmp_path / "calls"
-    calls.mkdir()
-    run_dir = tmp_path / "run"
-    words = ["dummy-policy", "default", "recorded-pg", "default", "--plugin", "plugrl_test_recorded_pg", "--local-env-clients",
-             "1", "--local-num-envs", "16", "--seed", "1", "--algo.global-steps", str(TWO_RANK_STEPS), "--algo.save-every", "8",
-             "--log-every", "1", "--port", "0", "--run-dir", str(run_dir)]
-    first = launch(tmp_path, "first", *words, pythonpath=tmp_path, CALLS=str(calls))
-    try:
-        wait_for(lambda: metrics_lines(run_dir) >= STOPPED_AFTER_LEARNS or first.poll() is not None, 180,
-                 "the first learns on two ranks")
-        stopped_at = metrics_lines(run_dir)
-        first.send_signal(signal.SIGTERM)  # to the launcher, which passes it on to every rank
-    finally:
-        first_status = finish(first, 90)
-    steps_before = checkpoint_steps(run_dir)
-    master_port, rank_1_folder = reserve_port(), tmp_path / "machine-2"
-    rank_1_folder.mkdir()
-    second = launch(tmp_path, "second", *words, "--resume", pythonpath=tmp_path, CALLS=str(calls),
-                    node=(0, master_port))
-    second_rank_1 = launch(tmp_path, "second-rank-1", *words, "--resume", pythonpath=tmp_path, CALLS=str(calls),
-                           node=(1, master_port), cwd=rank_1_folder, RANK_EXITS=str(tmp_path / "second-exits"))
-    second_status = finish(second, 300)
-    second_rank_1_status = finish(second_rank_1, 60)
-    return types.SimpleNamespace(
-        second_rank_1_status=second_rank_1_status, rank_1_folder=sorted(os.listdir(rank_1_folder)),
-        rank_1_out=(tmp_path / "second-rank-1.out").read_text(),
-        run_dir=run_dir, calls=calls, stopped_at=stopped_at, first_status=first_status, steps_before=steps_before,
-        first_exits=rank_exits(tmp_path, "first"), first_out=(tmp_path / "first.out").read_text(),
-        second_status=second_status, second_exits=rank_exits(tmp_path, "second"),
-        second_out=(tmp_path / "second.out").read_text())
+    with deadline_of("the two-rank runs", 600):  # every launch below is killed on the way out
+        tmp_path = tmp_path_factory.mktemp("two-ranks")
+        write_plugin(tmp_path, "plugrl_test_recorded_pg", RECORDED_PG)
+        calls = tmp_path / "calls"
+        calls.mkdir()
+        run_dir = tmp_path / "run"
+        words = ["dummy-policy", "default", "recorded-pg", "default", "--plugin", "plugrl_test_recorded_pg", "--local-env-clients",
+                 "1", "--local-num-envs", "16", "--seed", "1", "--algo.global-steps", str(TWO_RANK_STEPS), "--algo.save-every", "8",
+                 "--log-every", "1", "--port", "0", "--run-dir", str(run_dir)]
+        first = launch(tmp_path, "first", *words, pythonpath=tmp_path, CALLS=str(calls))
+        try:
+            wait_for(lambda: metrics_lines(run_dir) >= STOPPED_AFTER_LEARNS or first.poll() is not None, 180,
+                     "the first learns on two ranks")
+            stopped_at = metrics_lines(run_dir)
+            first.send_signal(signal.SIGTERM)  # to the launcher, which passes it on to every rank
+        finally:
+            first_status = finish(first, 90)
+        steps_before = checkpoint_steps(run_dir)
+        master_port, rank_1_folder = reserve_port(), tmp_path / "machine-2"
+        rank_1_folder.mkdir()
+        second = launch(tmp_path, "second", *words, "--resume", pythonpath=tmp_path, CALLS=str(calls),
+                        node=(0, master_port))
+        second_rank_1 = launch(tmp_path, "second-rank-1", *words, "--resume", pythonpath=tmp_path, CALLS=str(calls),
+                               node=(1, master_port), cwd=rank_1_folder, RANK_EXITS=str(tmp_path / "second-exits"))
+        try:
+            second_status = finish(second, 300)
+        finally:  # killed once its launcher is gone, or after 60 s
+            second_rank_1_status = finish(second_rank_1, 60)
+        return types.SimpleNamespace(
+            second_rank_1_status=second_rank_1_status, rank_1_folder=sorted(os.listdir(rank_1_folder)),
+            rank_1_out=(tmp_path / "second-rank-1.out").read_text(),
+            run_dir=run_dir, calls=calls, stopped_at=stopped_at, first_status=first_status, steps_before=steps_before,
+            first_exits=rank_exits(tmp_path, "first"), first_out=(tmp_path / "first.out").read_text(),
+            second_status=second_status, second_exits=rank_exits(tmp_path, "second"),
+            second_out=(tmp_path / "second.out").read_text())
 
 
 def calls_of(two_ranks, rank) -> list[dict]:
@@ -8238,10 +8334,11 @@ def test_pg_and_sac_learn_over_the_wire_a_task_only_the_picture_solves(tmp_path,
 def trained_run(tmp_path_factory):
     """A short pg run on dummy-v1, in this process (--in-process), to evaluate: its newest three checkpoints."""
     run_dir = tmp_path_factory.mktemp("trained") / "run"
-    status, _, err = run_main("dummy-policy", "default", "pg", "default", "--policy.hidden-size", "16",
-                              "--in-process", "--local-num-envs", "8", "--algo.frames-per-learn", "256",
-                              "--algo.save-every", "1", "--algo.global-steps", "1024", "--seed", "1",
-                              "--run-dir", run_dir)
+    with deadline_of("the trained run", 120):
+        status, _, err = run_main("dummy-policy", "default", "pg", "default", "--policy.hidden-size", "16",
+                                  "--in-process", "--local-num-envs", "8", "--algo.frames-per-learn", "256",
+                                  "--algo.save-every", "1", "--algo.global-steps", "1024", "--seed", "1",
+                                  "--run-dir", run_dir)
     assert status == 0, err
     return run_dir
 
@@ -8817,8 +8914,7 @@ def test_the_readmes_default_run_lengths_are_the_configs():
 
 
 def test_the_readmes_hex_dump_of_an_infer_frame_is_what_pack_message_writes():
-    frame = pack_message({"message_type": "infer", "env_indices": np.array([0], np.int64),
-                          "obs": {"state": np.array([[0.5, -1.0, 2.0]], np.float32)}})
+    frame = pack_message(infer_message([0], obs={"state": np.array([[0.5, -1.0, 2.0]], np.float32)}))
     dump = readme_block("A hex dump of one small `infer`")
     shown = bytes.fromhex("".join(re.findall(r"^[0-9a-f]{4}  ((?:[0-9a-f]{2} )*[0-9a-f]{2})", dump, re.M)))
     header = 4 + int.from_bytes(frame[:4], "little")
@@ -8855,9 +8951,10 @@ def standalone_run(tmp_path_factory):
     script = tmp_path / "client.py"
     script.write_text(readme_block(STANDALONE_CLIENT, nth=1))
     run_dir = tmp_path / "run"
-    with Background(tmp_path, "server", ["plugrl_min.py", "dummy-policy", "default", "dummy",
-                                         "default", "--port", "0", "--algo.global-steps", "2000",
-                                         "--run-dir", str(run_dir)]) as server:
+    with deadline_of("the standalone client's run", 120), \
+            Background(tmp_path, "server", ["plugrl_min.py", "dummy-policy", "default", "dummy",
+                                            "default", "--port", "0", "--algo.global-steps", "2000",
+                                            "--run-dir", str(run_dir)]) as server:
         client = subprocess.Popen([sys.executable, str(script), str(server.port()), "1000000"],
                                   cwd=tmp_path, env=subprocess_env(), stdin=subprocess.DEVNULL,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
