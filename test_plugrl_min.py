@@ -1797,6 +1797,50 @@ def test_resume_from_a_checkpoint_whose_meta_lacks_a_counter_is_one_line_naming_
                                            "'frames_since_learn', which dummy's load_checkpoint reads"]
 
 
+LOOKS_UP_ITS_SCHEDULE_ON_RESUME = '''
+import dataclasses
+
+from plugrl_min import DummyAlgoConfig, DummyAlgorithm, register_algo, register_algo_config
+
+
+@register_algo_config("scheduled")
+@dataclasses.dataclass
+class ScheduledConfig(DummyAlgoConfig):
+    schedule: str = "linear"
+
+
+@register_algo("scheduled")
+class Scheduled(DummyAlgorithm):
+    RATES = {"linear": 1.0}
+
+    def load_checkpoint(self, checkpoint):
+        super().load_checkpoint(checkpoint)
+        self.rate = self.RATES[self.config.schedule]
+'''
+
+
+def test_resume_where_the_algorithms_own_lookup_raises_key_error_keeps_its_traceback_and_exits_1(tmp_path):
+    write_plugin(tmp_path, "plugrl_test_scheduled", LOOKS_UP_ITS_SCHEDULE_ON_RESUME)
+    words = ["plugrl_min.py", "dummy-policy", "default", "scheduled", "default", "--plugin", "plugrl_test_scheduled",
+             "--in-process", "--algo.learn-every", "100", "--algo.save-every", "1", "--run-dir", tmp_path / "run"]
+    first = python(*map(str, words), "--algo.global-steps", "200", pythonpath=tmp_path)
+    assert first.returncode == 0, first.stderr
+    resumed = python(*map(str, words), "--algo.global-steps", "400", "--algo.schedule", "cosine", "--resume",
+                     pythonpath=tmp_path)  # the checkpoint is whole: the bug is the plug-in's own table's
+    assert resumed.returncode == 1
+    assert "cannot resume" not in resumed.stderr  # the one line is for a key the checkpoint lacks
+    assert "Traceback (most recent call last):" in resumed.stderr
+    assert "self.rate = self.RATES[self.config.schedule]" in resumed.stderr
+    assert resumed.stderr.rstrip().endswith("KeyError: 'cosine'")
+
+
+def test_a_checkpoints_meta_kept_by_an_algorithm_saves_again_in_a_checkpoint_that_loads(tmp_path):
+    first = plugrl_min.save_checkpoint(str(tmp_path), plugrl_min.Checkpoint(1, None, None, {"learns": 3}), {})
+    kept = plugrl_min.read_checkpoint(first)[0].meta  # an algorithm that saves again the meta it loaded
+    again = plugrl_min.save_checkpoint(str(tmp_path), plugrl_min.Checkpoint(2, None, None, kept), {})
+    assert plugrl_min.read_checkpoint(again)[0].meta == {"learns": 3}
+
+
 # --- A run that served nothing saves nothing ------------------------------------------------------
 
 def test_a_run_that_ends_with_no_frame_served_leaves_no_run_directory_behind(tmp_path):
