@@ -1565,6 +1565,7 @@ class CategoricalPolicy(BaseTorchPolicy):
 # ===== 12. The run's record: metrics.jsonl, the progress line, the start and the end of a run =====
 # PlugRL page: "The progress display reads it" (global_steps); rollout/* as learn() returns them.
 
+import collections
 import glob
 import socket
 
@@ -1817,10 +1818,28 @@ def prune_checkpoints(saved: list[str], path: str) -> list[str]:
     return saved[-3:]
 
 
+class MissingFromCheckpoint(KeyError):
+    """A key that load_checkpoint reads and the checkpoint lacks: --resume says so in one line."""
+
+
+class CheckpointDict(dict):
+    """A checkpoint's meta or optimizer dict, as read: a key it lacks raises MissingFromCheckpoint,
+    so --resume tells it apart from a KeyError of the algorithm's own, which keeps its traceback."""
+
+    def __missing__(self, key):
+        raise MissingFromCheckpoint(key)
+
+    def __reduce__(self):  # kept and saved again by an algorithm: a type weights_only loads
+        return collections.OrderedDict, (), None, None, iter(self.items())
+
+
 def read_checkpoint(path: str) -> tuple[Checkpoint, dict]:
     """A checkpoint file: its Checkpoint, and the server's counters saved beside it."""
     payload = torch.load(path, weights_only=True, map_location="cpu")
     server = payload.pop("server")
+    for part in ("meta", "optimizer"):  # the model is not: load_state_dict names what it lacks
+        if isinstance(payload.get(part), dict):
+            payload[part] = CheckpointDict(payload[part])
     return Checkpoint(**payload), server
 
 
@@ -3400,7 +3419,7 @@ def server_main(argv: list[str], plugins: list[str] = (),
         checkpoint, counters = load_newest_checkpoint(resume)
         try:
             algo.load_checkpoint(checkpoint)
-        except KeyError as error:  # another algorithm's checkpoint, or an older version's
+        except MissingFromCheckpoint as error:  # another algorithm's, or an older version's
             raise CommandError(f"cannot resume {resume}: its newest checkpoint has no "
                                f"{error.args[0]!r}, which {words[2]}'s load_checkpoint "
                                "reads") from None
