@@ -11,7 +11,7 @@ benchmarks.
 No wait here is without a deadline: a test fails after 240 s, a run that several tests share after its own (see
 deadline_of). While you change the wire and a run may hang, lower them all and run the wire's tests alone:
     PLUGRL_TEST_DEADLINE=60 python -m pytest -q test_plugrl_min.py -m wire -x --tb=native
-(-m wire: every test that crosses a WebSocket or reads a frame; the quick check, -m contract, stays as it is.)
+(-m wire: every test that speaks the wire itself, see `wire`; the quick check, -m contract, stays as it is.)
 What the wire says (its messages, an action's rows, the closes) is spelled once, under "What the wire says"."""
 
 import argparse
@@ -9275,6 +9275,48 @@ def test_the_quick_contract_check_runs_routing_hooks_chains_checkpoints_and_the_
         assert len([name for name in quick if re.search(pattern, name)]) >= least, (part, quick)
     internals = [name for name in everything if re.search(NOT_THE_CONTRACT, name)]
     assert len(internals) > 20 and not set(internals) & set(quick), set(internals) & set(quick)
+
+
+HANGS = '''
+import time, pytest
+from test_plugrl_min import deadline, deadline_of  # the autouse deadline of every test, and a run's
+
+
+@pytest.fixture(scope="module")
+def shared_run():
+    with deadline_of("the shared run", 2):
+        time.sleep(120)  # a run whose client never comes
+
+
+def test_a_fixture_that_hangs(shared_run):
+    pass
+
+
+def test_a_test_that_hangs():
+    time.sleep(120)
+'''
+
+
+def test_a_hanging_shared_run_or_test_fails_at_its_deadline_and_plugrl_test_deadline_lowers_every_one(tmp_path):
+    (tmp_path / "test_hangs.py").write_text(HANGS)
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-rf",
+                             "test_hangs.py"], cwd=tmp_path, env={**subprocess_env(HERE), "PLUGRL_TEST_DEADLINE": "5"},
+                            capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert time.monotonic() - started < 60, result.stdout  # not the 120 s either sleep asks for
+    assert "DeadlinePassed: the shared run ran past its deadline of 2 s" in result.stdout, result.stdout
+    assert "DeadlinePassed: the test ran past its deadline of 5 s" in result.stdout, result.stdout
+    assert "1 failed" in result.stdout and "1 error" in result.stdout
+
+
+def test_every_run_that_tests_share_has_a_deadline_of_its_own():
+    tree = ast.parse(pathlib.Path(__file__).read_text())
+    shared = [node for node in tree.body if isinstance(node, ast.FunctionDef) and any(
+        isinstance(decorator, ast.Call) and any(keyword.arg == "scope" for keyword in decorator.keywords)
+        for decorator in node.decorator_list)]
+    bounded = {node.name for node in shared for call in ast.walk(node) if isinstance(call, ast.Call)
+               and getattr(call.func, "id", None) == "deadline_of"}
+    assert len(shared) >= 9 and [node.name for node in shared if node.name not in bounded] == []
 
 
 def test_the_wire_selection_holds_every_test_that_drives_a_client_or_a_server_itself_and_not_all_tests():
