@@ -9023,6 +9023,9 @@ def test_handout_the_readme_quickstart_prints_what_it_shows(tmp_path):
     if os.environ.get("PLUGRL_WRITE_README") == "1":
         printed = out.splitlines()
         printed = [*printed[:2], "  ...", *printed[printed.index("}"):]]  # the configuration's first key
+        plot = next(i for i, line in enumerate(printed)
+                    if line.startswith("mean return of the last"))
+        printed = [*printed[:plot + 1], "..."]  # the plot's title, not the plot
         name = time.strftime("runs/pg-dummy-v1-%Y%m%d-%H%M%S", time.localtime(time.time() - seconds))
         printed = [line.replace(str(tmp_path / "run"), name) for line in printed]  # as without --run-dir
         text = readme()
@@ -9036,6 +9039,26 @@ def test_handout_the_readme_quickstart_prints_what_it_shows(tmp_path):
     assert counts_of(shown) == counts_of(out)[-2:]
     assert learns[-1].keys() == json.loads(readme_block(QUICKSTART_LINE)).keys()
     assert np.mean([line["rollout/reward"] for line in learns[-10:]]) > -5  # it learned
+
+
+@handout
+def test_handout_the_readme_quickstarts_pace_is_that_of_its_measured_time():
+    """The quickstart's output block links its time to the wire's-cost table: the pace its last
+    progress line shows (fps counts from the server's start, so step / fps is the seconds so far,
+    and total / fps the whole run's at that pace) lies within a quarter of the table's over-the-wire
+    times of the quickstart: at most the slowest x 1.25, at least the fastest / 1.25. A quarter is
+    about the swing of one run's time on a shared 2-core machine; a block printed on a busy one
+    (twice the table's time) contradicts the table, and is regenerated when the machine is quiet."""
+    progress = re.findall(r"^step (\d+)/(\d+) \| (\d+) fps", readme_block(QUICKSTART_OUTPUT), re.M)
+    step, total, fps = map(int, progress[-1])
+    implied = step / fps * (total / step)
+    table = readme().split("### The wire's cost")[1]
+    wire = re.search(r"^\| `pg`, the quickstart \| [^|]* \| ([\d., ]+) s \|", table, re.M).group(1)
+    times = [float(seconds) for seconds in wire.split(",")]
+    margin = 1.25
+    assert min(times) / margin <= implied <= max(times) * margin, \
+        f"the block's {step:,} steps at {fps} fps imply {implied:.1f} s for {total:,}; " \
+        f"the table: {wire} s"
 
 
 @handout
@@ -9122,6 +9145,29 @@ def test_the_readmes_default_run_lengths_are_the_configs():
     for algo in ("dummy", "pg", "sac"):
         steps = plugrl_min._ALGO_CONFIGS[(algo, "default")].global_steps
         assert f"`{algo}` {steps:,}" in line, algo
+
+
+def test_the_readmes_sac_seed_1_is_one_run_with_one_figure():
+    """The eval table's `sac` row is -k bench_sac's seed 1: the SAC-vs-CleanRL table's figures of
+    that run, `report --last 10` and the greedy eval, as printed; the SAC section quotes that
+    table."""
+    text = readme()
+    section = text.split("### SAC against CleanRL")[1]
+    table = section[section.index("\n|"):].split("\n\n")[0]  # its first table: -k bench_sac's
+    cells = ([cell.strip() for cell in line.strip("|").split("|")]
+             for line in table.splitlines() if re.match(r"\| \d \|", line))
+    rows = {row[0]: row[1:] for row in cells}
+    evaluated = re.search(r"^\| `sac`, pendulum-v1, 15,000 steps[^|]* \| (-?[\d.]+) \(N = 10\) "
+                          r"\| ([^|]+) \|", text, re.M)
+    assert evaluated, "the eval table has no `sac` row"
+    training, greedy = evaluated.groups()
+    assert rows["1"][0] == training, \
+        f"seed 1: {rows['1'][0]} against CleanRL, {training} in the eval table"
+    assert greedy.strip() in rows["1"], \
+        f"the eval table's greedy {greedy.strip()} is not seed 1's: {rows['1']}"
+    quoted = re.search(r"episodes: \[(\S+), (\S+) and (\S+)\]\(#sac-against-cleanrl\)",
+                       text).groups()
+    assert list(quoted) == [rows[seed][0] for seed in ("1", "2", "3")]
 
 
 @wire
@@ -10112,27 +10158,45 @@ def cleanrl_update_ms(updates: int = 400) -> float:
     return 1000 * (time.perf_counter() - start) / updates
 
 
+def trained_and_evaluated(run_dir, last: int, seed: int, *flags) -> tuple[str, str, str]:
+    """A trained run's figures as printed: `report RUN --last N`'s, and the mean and std of
+    `eval RUN --seed S FLAGS`, greedy, 10 episodes."""
+    report = python("plugrl_min.py", "report", str(run_dir), "--last", str(last))
+    assert report.returncode == 0, report.stderr
+    figure = re.search(r"\| (?:last \d+\+|all \d+) episodes (-?[\d.]+)", report.stdout).group(1)
+    evaluated = python("plugrl_min.py", "eval", str(run_dir), "--seed", str(seed), *flags,
+                       timeout=600)
+    assert evaluated.returncode == 0, evaluated.stderr
+    line = evaluated.stdout.strip().splitlines()[-1]
+    mean, std = re.search(r"mean return (\S+) \| std (\S+)", line).groups()
+    return figure, mean, std
+
+
 @bench
 def test_bench_sac_learns_pendulum_over_the_wire_no_slower_than_cleanrl_in_process(tmp_path):
+    """Each seed's one run gives all its figures: its time, `report --last 10` and, after CleanRL's
+    loop is timed, its greedy `eval --seed S` (seed 1's is also the README's eval table's row)."""
     seeds, steps, bar = 3, 15_000, -200.0
     updates = steps - sac_example.SACConfig().learning_starts
     rows = []
     for seed in range(1, seeds + 1):  # one at a time: two runs would share the cores
         summary = sac_seed(seed, steps, tmp_path)
-        last10 = float(np.mean(summary["returns"][-10:]))
         # CleanRL's loop, timed right after the run (same machine, same load), without its
         # 5,000 random steps (about a second): in CleanRL's favour.
         reference = updates * cleanrl_update_ms() / 1000
-        rows.append((last10, summary["seconds"], reference))
-        print(f"seed {seed}: last-10 mean return {last10:8.1f} | {summary['seconds']:6.1f} s "
-              f"(CleanRL in-process {reference:.1f} s) | {summary['env_steps']} env steps | "
-              f"load average {os.getloadavg()[0]:.1f}", flush=True)
+        # Its client was not the server's own: eval is told the environment.
+        figure, mean, std = trained_and_evaluated(tmp_path / f"seed{seed}", 10, seed,
+                                                  "--env", "pendulum-v1")
+        rows.append((float(figure), summary["seconds"], reference))
+        print(f"| {seed} | {figure} | {mean} (std {std}) | {summary['seconds']:.1f} s | "
+              f"{reference:.1f} s | {os.getloadavg()[0]:.1f} | ({summary['env_steps']} env steps)",
+              flush=True)
     returns, seconds, references = (np.array(column) for column in zip(*rows))
     learns = bool((returns >= bar).all())
     fast = seconds.mean() <= references.mean()  # one seed's time swings by a tenth with load
-    print(f"summary: returns {'met' if learns else 'missed'} (worst last-10 mean {returns.min():.1f}, bar {bar:g})"
-          f" | speed {'met' if fast else 'missed'} (mean {seconds.mean():.1f} s per seed, CleanRL in-process "
-          f"{references.mean():.1f} s)")
+    print(f"summary: returns {'met' if learns else 'missed'} (worst `report --last 10` "
+          f"{returns.min():.2f}, bar {bar:g}) | speed {'met' if fast else 'missed'} (mean "
+          f"{seconds.mean():.1f} s per seed, CleanRL in-process {references.mean():.1f} s)")
 
 
 # --- The wire's cost: the same agent in this process (--in-process) and over the wire, in one run -------
@@ -10193,10 +10257,9 @@ def test_bench_the_wires_cost_the_same_agent_in_process_and_over_the_wire(tmp_pa
 
 @bench
 def test_bench_the_readmes_eval_table_trained_runs_and_their_greedy_evaluation(tmp_path):
+    """The eval table's pg rows; its sac row is -k bench_sac's seed 1, that run's own figures."""
     runs = {"the quickstart: `pg`, dummy-v1": (["dummy-policy", "default", "pg", "default", "--local-num-envs",
                                                 "16"], 100),
-            "`sac`, pendulum-v1, 15,000 steps": (["dummy-policy", "default", "sac", "default", "--local-env",
-                                                  "pendulum-v1"], 10),
             "`pg`, cartpole-v1": (["categorical-policy", "cartpole", "pg", "default", "--local-num-envs", "16",
                                    "--local-env", "cartpole-v1"], 100)}
     print("| run, seed 1 | `report --last N`: the last N+ episodes of training | `eval --seed 1`: greedy, 10 "
@@ -10206,13 +10269,9 @@ def test_bench_the_readmes_eval_table_trained_runs_and_their_greedy_evaluation(t
         trained = python("plugrl_min.py", *words, "--local-env-clients", "1", "--seed", "1", "--run-dir",
                          str(run_dir), timeout=3600)
         assert trained.returncode == 0, trained.stderr
-        report = python("plugrl_min.py", "report", str(run_dir), "--last", str(last))
-        figure = re.search(r"\| (?:last \d+\+|all \d+) episodes (-?[\d.]+)", report.stdout).group(1)
-        evaluated = python("plugrl_min.py", "eval", str(run_dir), "--seed", "1", timeout=600)
-        assert evaluated.returncode == 0, evaluated.stderr
-        line = evaluated.stdout.strip().splitlines()[-1]
-        mean, std = re.search(r"mean return (\S+) \| std (\S+)", line).groups()
-        print(f"| {name} | {figure} (N = {last}) | {mean} (std {std}) |", flush=True)
+        figure, mean, std = trained_and_evaluated(run_dir, last, 1)
+        print(f"| {name} | {figure} (N = {last}) | {mean} (std {std}) | load average "
+              f"{os.getloadavg()[0]:.1f}", flush=True)
 
 
 # --- Throughput: the full server against a floor server, in the same run --------------------------
