@@ -1046,31 +1046,18 @@ class PG(DDPAlgorithm):
         put_rows(self.batch, slice(0, self.stored), data)
 
 
-# ===== 8. Wire format: one binary WebSocket frame per message, a JSON header, raw array bytes =====
-# PlugRL page: the transport under infer() and feedback(). Nothing is ever unpickled.
-# A frame: [header length: uint32, little-endian][JSON header][array 0 bytes][array 1 bytes]...
-# The header is {"message": the message with each array replaced by {"__array__": i},
-#                "arrays": [[dtype, shape], ...]}. Array bytes: C order, little-endian, no padding.
+# ===== 8. Wire format: each message one msgpack map in one binary WebSocket frame =====
+# PlugRL page: the transport under infer() and feedback(): PlugRL's protocol (its SPEC.md,
+# version 1, sections 1-3). msgpack, written here with struct: the types a message uses, anything
+# else refused; nothing is ever run from bytes. An array travels as openpi writes it: a map with
+# the bin keys __ndarray__ (true), data (its C-order bytes), dtype (a numpy typestr such as
+# "<f4") and shape; a numpy scalar as {__npgeneric__: true, data: its value, dtype}.
+import re
 import struct
 
-_HEADER_LENGTH = struct.Struct("<I")
 _MAX_DEPTH = 64  # a message needs a handful of levels; deeper is refused both ways
-# A header spells a dtype as numpy's dtype.str ("<f4", what pack writes) or by name ("float32").
-_DTYPE_NAMES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-                "float16", "float32", "float64")
-_ALLOWED_DTYPES = {spelling: np.dtype(name)
-                   for name in _DTYPE_NAMES for spelling in (np.dtype(name).str, name)}
-_SPELLINGS = ", ".join(f"{np.dtype(name).str} or {name}" for name in _DTYPE_NAMES)
-_WIRE_DTYPES = {np.dtype(name): np.dtype(name).str for name in _DTYPE_NAMES}  # plain: dtype.str
-
-
-def _reject_constant(name):
-    raise ValueError(f"{name} is not JSON")  # Python's json reads NaN and Infinity by default
-
-
-# Made once; the plain forms, json.dumps and json.loads with these options, build one per message.
-_HEADER_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False, check_circular=False)
-_HEADER_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+_KINDS = "buifU"  # bool, uint, int, float, text: object, structured and complex are refused
+_TYPESTR = re.compile(r"[<>|=][buifU][1-9][0-9]{0,5}")  # byte order, kind, item size
 
 
 class ProtocolError(ValueError):
@@ -1081,116 +1068,202 @@ class ProtocolError(ValueError):
         self.hint = hint
 
 
-def _rebuild(container, depth: int, arrays: list, specs: list | None):
-    # A copy of a dict or list (a tuple becomes a list), by one walker for both ends. Packing
-    # (specs given): {"__array__": i} in place of each array, which joins arrays, its (dtype,
-    # shape) joining specs. Unpacking: arrays[i] in place of each {"__array__": i} (checked).
-    packing = specs is not None
+def _head(n: int, fix: int, most: int, codes: tuple) -> bytes:
+    # The head of a str, bin, array or map of n items or bytes: one byte (fix | n) up to `most`,
+    # else a code and n in 1, 2 or 4 big-endian bytes: the smallest, as msgpack writes it.
+    if n <= most:
+        return bytes((fix | n,))
+    for code, width in zip(codes, "BHI"):
+        if code and n < 1 << 8 * struct.calcsize(width):
+            return bytes((code,)) + struct.pack(">" + width, n)
+    raise ProtocolError(f"{n} items or bytes are more than msgpack can frame")
+
+
+_STR, _BIN = (0xa0, 31, (0xd9, 0xda, 0xdb)), (0, -1, (0xc4, 0xc5, 0xc6))
+_ARRAY, _MAP = (0x90, 15, (0, 0xdc, 0xdd)), (0x80, 15, (0, 0xde, 0xdf))
+_INTS = ((0, 1 << 8, 0xcc, "B"), (0, 1 << 16, 0xcd, "H"), (0, 1 << 32, 0xce, "I"),
+         (0, 1 << 64, 0xcf, "Q"), (-1 << 7, 0, 0xd0, "b"), (-1 << 15, 0, 0xd1, "h"),
+         (-1 << 31, 0, 0xd2, "i"), (-1 << 63, 0, 0xd3, "q"))
+
+
+def _int(value: int) -> bytes:
+    if -32 <= value < 128:  # a fixint: the byte is the number, two's complement below 0
+        return struct.pack(">b" if value < 0 else ">B", value)
+    for low, high, code, width in _INTS:  # the smallest width that holds it
+        if low <= value < high:
+            return bytes((code,)) + struct.pack(">" + width, value)
+    raise ProtocolError(f"the integer {value} does not fit in 64 bits")
+
+
+def _pack(value, out: list, depth: int) -> None:
+    # Appends value's bytes to out. The tests run in the msgpack package's order: a bool before
+    # an int (a bool is one), an np.float64 as a float (it is one), numpy's own types last.
     if depth > _MAX_DEPTH:
-        raise ProtocolError(f"the {'message' if packing else 'header'} nests deeper than "
-                            f"{_MAX_DEPTH} levels" + " (or in itself)" * packing)
-    if packing and isinstance(container, dict) and "__array__" in container:
-        raise ProtocolError("the key '__array__' is reserved by the wire format")
-    copy, items = ((dict(container), container.items()) if isinstance(container, dict)
-                   else (list(container), enumerate(container)))
-    for key, value in items:  # one call per container; the plain form calls once per value
-        if packing and isinstance(value, (np.ndarray, np.generic)):
-            array = np.asarray(value, order="C")  # unlike ascontiguousarray, keeps 0-d as 0-d
-            dtype = _WIRE_DTYPES.get(array.dtype)
-            if dtype is None:
-                raise ProtocolError(f"cannot send dtype {array.dtype}: only bool, int, uint "
-                                    "and float arrays, little-endian")
-            copy[key] = {"__array__": len(arrays)}
-            arrays.append(array)
-            specs.append((dtype, array.shape))
-        elif not packing and isinstance(value, dict) and "__array__" in value:
-            index = value["__array__"]
-            if type(index) is not int or not 0 <= index < len(arrays) or len(value) != 1:
-                raise ProtocolError(f"bad array reference {str(value)[:80]}")
-            copy[key] = arrays[index]
-        elif isinstance(value, (dict, list, tuple)):
-            copy[key] = _rebuild(value, depth + 1, arrays, specs)
-    return copy  # any other value is json's to write, or to refuse
+        raise ProtocolError(f"the message nests deeper than {_MAX_DEPTH} levels (or in itself)")
+    if value is None:
+        out.append(b"\xc0")
+    elif isinstance(value, bool):
+        out.append(b"\xc3" if value else b"\xc2")
+    elif isinstance(value, int):
+        out.append(_int(value))
+    elif isinstance(value, float):
+        out.append(b"\xcb" + struct.pack(">d", value))
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        out += (_head(memoryview(value).nbytes, *_BIN), value)
+    elif isinstance(value, str):
+        raw = value.encode()
+        out += (_head(len(raw), *_STR), raw)
+    elif isinstance(value, dict):
+        out.append(_head(len(value), *_MAP))
+        for key, item in value.items():
+            _pack(key, out, depth + 1)
+            _pack(item, out, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        out.append(_head(len(value), *_ARRAY))
+        for item in value:
+            _pack(item, out, depth + 1)
+    elif isinstance(value, (np.ndarray, np.generic)):
+        _pack(_openpi_map(value), out, depth)
+    else:
+        raise ProtocolError(f"cannot send a {type(value).__name__}: a message holds dicts, "
+                            "lists, str, bytes, numbers, bools, None and numpy arrays")
+
+
+def _openpi_map(value: np.ndarray | np.generic) -> dict:
+    if value.dtype.kind not in _KINDS:
+        raise ProtocolError(f"cannot send dtype {value.dtype}: only bool, int, uint, float and "
+                            "str (text) arrays")
+    if isinstance(value, np.generic):
+        return {b"__npgeneric__": True, b"data": value.item(), b"dtype": value.dtype.str}
+    return {b"__ndarray__": True, b"data": value.tobytes(), b"dtype": value.dtype.str,
+            b"shape": value.shape}  # tobytes: C order, whatever the view
 
 
 def pack_message(message: dict) -> bytes:
-    """Encode a dict of JSON values and numpy arrays, nested, as one binary frame."""
-    arrays, specs = [], []  # the arrays in frame order, and their (dtype, shape) for the header
+    """One message as a msgpack map: byte for byte what msgpack.packb writes with openpi's hook."""
+    out = []
+    _pack(message, out, 1)
+    return b"".join(out)
 
-    body = {"message": _rebuild(message, 1, arrays, specs), "arrays": specs}
+
+_FIXED = {0xc0: None, 0xc2: False, 0xc3: True}
+_NUMBERS = {code: struct.Struct(">" + width) for code, width in zip(
+    (0xca, 0xcb, 0xcc, 0xcd, 0xce, 0xcf, 0xd0, 0xd1, 0xd2, 0xd3), "fdBHIQbhiq")}
+_SIZED = {0xd9: ("str", "B"), 0xda: ("str", "H"), 0xdb: ("str", "I"), 0xc4: ("bin", "B"),
+          0xc5: ("bin", "H"), 0xc6: ("bin", "I"), 0xdc: ("array", "H"), 0xdd: ("array", "I"),
+          0xde: ("map", "H"), 0xdf: ("map", "I")}
+_EXTENSIONS = {0xc7, 0xc8, 0xc9, 0xd4, 0xd5, 0xd6, 0xd7, 0xd8}
+
+
+def _read(frame: memoryview, pos: int, depth: int) -> tuple:
+    # The value at pos, and where the next begins. No length is trusted before the frame is
+    # known to hold it: a count of items or bytes past the frame's end is refused, not allocated.
+    if depth > _MAX_DEPTH:
+        raise ProtocolError(f"the message nests deeper than {_MAX_DEPTH} levels")
+    code = frame[pos]
+    pos += 1
+    if code < 0x80 or code >= 0xe0:  # a fixint
+        return (code if code < 0x80 else code - 256), pos
+    if code in _FIXED:
+        return _FIXED[code], pos
+    if code in _NUMBERS:
+        number = _NUMBERS[code]
+        return number.unpack_from(frame, pos)[0], pos + number.size
+    if code < 0xa0:  # fixmap 0x80-0x8f, fixarray 0x90-0x9f
+        kind, n = ("map" if code < 0x90 else "array"), code & 0x0f
+    elif code < 0xc0:
+        kind, n = "str", code & 0x1f
+    elif code in _SIZED:
+        kind, width = _SIZED[code]
+        (n,) = struct.unpack_from(">" + width, frame, pos)
+        pos += struct.calcsize(width)
+    else:
+        what = "an extension type" if code in _EXTENSIONS else "not a msgpack type"
+        raise ProtocolError(f"byte 0x{code:02x} at offset {pos - 1} is {what}: the protocol "
+                            "sends maps, arrays, str, bin, numbers, bools and nil")
+    if n > len(frame) - pos:  # every item takes a byte at least
+        raise ProtocolError(f"a {kind} of {n} at offset {pos} runs past the frame's end")
+    if kind == "str":
+        return str(frame[pos:pos + n], "utf-8"), pos + n
+    if kind == "bin":
+        return frame[pos:pos + n], pos + n  # a view of the frame: _map_of decides
+    if kind == "array":
+        items = []
+        for _ in range(n):
+            item, pos = _read(frame, pos, depth + 1)
+            items.append(_kept(item))
+        return items, pos
+    table = {}
+    for _ in range(n):
+        key, pos = _read(frame, pos, depth + 1)
+        if not isinstance(key, (str, memoryview)):
+            raise ProtocolError(f"a map key before offset {pos} is a {type(key).__name__}: "
+                                "keys are str or bin")
+        table[_kept(key)], pos = _read(frame, pos, depth + 1)
+    return _map_of(table), pos
+
+
+def _kept(value):
+    return bytes(value) if type(value) is memoryview else value  # a bin the message keeps
+
+
+def _map_of(table: dict):
+    # An array's map becomes the array, its data a view of the frame; any other map is kept.
+    if b"__ndarray__" in table:
+        return _array_of(table)
+    if b"__npgeneric__" in table:
+        dtype, data = _dtype_of(table.get(b"dtype")), table.get(b"data")
+        with contextlib.suppress(ValueError, OverflowError):  # openpi's numpy scalar
+            if isinstance(data, (bool, int, float, str)):  # its value: a msgpack number, say
+                return dtype.type(data)
+        raise ProtocolError(f"a numpy scalar {dtype.str} cannot hold {str(data)[:40]}")
+    return {key: _kept(value) for key, value in table.items()}
+
+
+def _dtype_of(typestr) -> np.dtype:
+    if not (isinstance(typestr, str) and _TYPESTR.fullmatch(typestr)):
+        raise ProtocolError(f"dtype {str(typestr)[:40]!r} is not a typestr of bool, int, uint, "
+                            "float or text, such as '<f4'")
     try:
-        header = _HEADER_ENCODER.encode(body).encode()
-    except (TypeError, ValueError) as error:
-        raise ProtocolError(f"cannot encode the message: {error}") from None
-    # One join reads each array's buffer in place; the plain form, tobytes(), copies it first.
-    return b"".join([_HEADER_LENGTH.pack(len(header)), header, *arrays])
+        return np.dtype(typestr)
+    except TypeError:  # a size numpy has no such type of: '<i3', '|b2'
+        raise ProtocolError(f"numpy has no dtype {typestr}") from None
 
 
-def _check_header(header: bytes) -> tuple:
-    try:
-        text = str(header, "utf-8")
-        body, end = _HEADER_DECODER.raw_decode(text)  # json.loads would take a space before '{'
-        if end != len(text):
-            raise ValueError(f"{len(text) - end} characters after its end")
-    except (ValueError, RecursionError) as error:  # bad UTF-8 or JSON, or an int of 4300+ digits
-        raise ProtocolError(f"header is not valid JSON: {error} (the JSON starts at byte 4 of the "
-                            "frame, right after its length, with '{', no space before)") from None
-    message = body.get("message") if isinstance(body, dict) else None
-    if not (isinstance(message, dict) and "__array__" not in message
-            and isinstance(body.get("arrays"), list)):
-        raise ProtocolError("header must be an object with 'message' (an object, not an array "
-                            "reference) and 'arrays' (a list)")
-    layout = []  # (dtype, shape, bytes) of each array
-    for i, spec in enumerate(body["arrays"]):
-        if not (isinstance(spec, list) and len(spec) == 2):
-            raise ProtocolError(f"array {i}: {str(spec)[:80]} is not [dtype, shape]")
-        name, shape = spec
-        dtype = _ALLOWED_DTYPES.get(name) if isinstance(name, str) else None
-        if dtype is None:
-            raise ProtocolError(f"array {i}: dtype {name!r:.40} is not an allowed dtype: arrays "
-                                f"travel little-endian, spelled {_SPELLINGS}")
-        # type(n) is int, not isinstance: true and false are not lengths. Then numpy's limits.
-        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
-                and len(shape) <= 32 and math.prod(filter(None, shape)) * dtype.itemsize < 2**63):
-            raise ProtocolError(f"array {i}: numpy cannot make shape {str(shape)[:80]}")
-        layout.append((dtype, shape, math.prod(shape) * dtype.itemsize))
-    return message, layout
-
-
-# A client repeats its header frame after frame: unpack keeps up to 64 checked ones (<= 4 KiB
-# each), and forgets them all when a 65th comes.
-_CHECKED_HEADERS = {}  # header bytes -> (template, layout); the plain form checks every header
+def _array_of(table: dict) -> np.ndarray:
+    dtype, shape, data = _dtype_of(table.get(b"dtype")), table.get(b"shape"), table.get(b"data")
+    if not (isinstance(shape, list) and len(shape) <= 32
+            and all(type(size) is int and size >= 0 for size in shape)):
+        raise ProtocolError(f"an array's shape must be a list of sizes, got {str(shape)[:60]}")
+    size = math.prod(shape) * dtype.itemsize  # checked before numpy sees it
+    if type(data) is not memoryview or len(data) != size:
+        got = f"{len(data)} bytes" if type(data) is memoryview else f"a {type(data).__name__}"
+        raise ProtocolError(f"an array {dtype.str} {shape} needs {size} bytes of data, got {got}")
+    if dtype.kind == "U" and size and np.frombuffer(
+            data, np.dtype("u4").newbyteorder(dtype.byteorder)).max() > 0x10FFFF:
+        raise ProtocolError("a text array holds a code point above U+10FFFF")  # numpy can't read it
+    array = np.frombuffer(data, dtype).reshape(shape)  # read-only, a view of the frame: no copy
+    # A big-endian array (no little-endian peer sends one) gets this machine's byte order: a copy.
+    return array if dtype.isnative or dtype.byteorder == "|" else array.astype(dtype.newbyteorder("="))
 
 
 def unpack_message(frame: bytes) -> dict:
-    """Decode one binary frame. Arrays are read-only views into the frame: copy one to modify it."""
-    if not isinstance(frame, (bytes, bytearray)):
+    """One binary frame's msgpack map. Its arrays are read-only views of the frame: copy one to
+    change it."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
         raise ProtocolError("expected a binary frame, got a text frame", "send binary frames")
-    if isinstance(frame, bytearray):  # arrays viewing a bytearray would be writable
-        frame = memoryview(frame).toreadonly()
-    if len(frame) < 4:
-        raise ProtocolError(f"frame of {len(frame)} bytes is shorter than its header length field")
-    start = 4 + _HEADER_LENGTH.unpack_from(frame)[0]
-    if start > len(frame):
-        raise ProtocolError(f"header declares {start - 4} bytes, the frame holds {len(frame) - 4}")
-    header = bytes(frame[4:start])  # a dict key (copies only from a memoryview)
-    checked = _CHECKED_HEADERS.get(header)
-    if checked is None:
-        checked = _check_header(header)
-        if len(_CHECKED_HEADERS) >= 64:
-            _CHECKED_HEADERS.clear()
-        if len(header) <= 4096:
-            _CHECKED_HEADERS[header] = checked
-    template, layout = checked
-    arrays, offset = [], start
-    for i, (dtype, shape, size) in enumerate(layout):  # each size is checked before its view
-        if size > len(frame) - offset:
-            raise ProtocolError(f"array {i} declares {size} bytes but {len(frame) - offset} remain")
-        arrays.append(np.ndarray(shape, dtype, frame, offset))  # plain: frombuffer + reshape
-        offset += size
-    if offset != len(frame):
-        raise ProtocolError(f"{len(frame) - offset} bytes are left over after the declared arrays")
-    return _rebuild(template, 1, arrays, None)
+    view = memoryview(frame).toreadonly()  # from a bytearray too, the arrays stay read-only
+    try:
+        message, end = _read(view, 0, 1)
+    except (IndexError, struct.error):
+        raise ProtocolError(f"the frame ends inside a value ({len(view)} bytes)") from None
+    except UnicodeDecodeError as error:
+        raise ProtocolError(f"a str is not UTF-8: {error}") from None
+    if end != len(view):
+        raise ProtocolError(f"{len(view) - end} bytes follow the message's end")
+    if not isinstance(message, dict):
+        raise ProtocolError(f"a message is a map, not a {type(message).__name__}")
+    return message
 
 
 # ===== 9. Rows: a message's arrays, batched along axis 0, cut into each environment's rows =====
@@ -3329,7 +3402,6 @@ def serve_trained(policy: BaseTorchPolicy, uid: str, env_id: str | None,
 import argparse
 import importlib.util  # binds importlib too: import_module is used as well
 import inspect
-import re
 import subprocess
 
 CONFIG = "config.json"  # a run directory's first file, created exclusively: it marks a run

@@ -26,6 +26,7 @@ import glob
 import importlib.util
 import inspect
 import io
+import itertools
 import json
 import math
 import os
@@ -36,6 +37,7 @@ import shutil
 import signal
 import socket
 import string
+import struct
 import subprocess
 import sys
 import threading
@@ -766,18 +768,6 @@ def with_field(message: dict, path: str, value) -> dict:
     else:
         node[last] = value
     return message
-
-
-def raw_frame(arrays, payload: bytes, message=None) -> bytes:
-    """A frame built by hand: header length, JSON header declaring `arrays` ([dtype, shape] pairs), payload."""
-    message = {"x": {"__array__": 0}} if message is None else message
-    header = json.dumps({"message": message, "arrays": arrays}).encode()
-    return len(header).to_bytes(4, "little") + header + payload
-
-
-def framed(header: bytes) -> bytes:
-    """A frame of just a header: its 4-byte length, then the header bytes (valid JSON or not)."""
-    return len(header).to_bytes(4, "little") + header
 
 
 # --- Runs that the tests of several sections read (one each per test process) ---------------------
@@ -3298,326 +3288,367 @@ def test_sac_learns_dummy_v1_far_better_than_random(tmp_path, one_torch_thread):
 
 
 # =============================================================================================
-# 8. Wire format: one binary WebSocket frame per message, a JSON header, raw array bytes
+# 8. Wire format: each message one msgpack map in one binary WebSocket frame
 # =============================================================================================
-# pack_message and unpack_message as units, then what a client in another language sends, then the
-# WebSocket layer under them, by hand on a raw socket. Nothing is ever unpickled.
+# pack_message and unpack_message against the msgpack package with openpi's hooks, byte for byte; what
+# they refuse; then the WebSocket layer under them, by hand on a raw socket. Nothing is ever unpickled.
 
-# --- Every dtype and shape round trips; a frame that misdescribes itself is refused ---------------
+# --- The reference: the msgpack package with openpi's two hooks, as PlugRL's SPEC (3.2) lays them out ---
 
-ALLOWED_DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-                  "float16", "float32", "float64"]
+def msgpack_or_skip():
+    return pytest.importorskip("msgpack", reason="msgpack is the tests' reference codec: pip install msgpack")
 
 
-def random_array(dtype, shape):
-    rng = np.random.default_rng(0)
-    values = rng.uniform(-100, 100, shape) if dtype.startswith("float") else rng.integers(0, 100, shape)
-    return np.asarray(values).astype(dtype)
+def openpi_pack_array(value):
+    """openpi's pack_array: the default hook of msgpack.packb."""
+    if isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind in ("V", "O", "c"):
+        raise ValueError(f"Unsupported dtype: {value.dtype}")
+    if isinstance(value, np.ndarray):
+        return {b"__ndarray__": True, b"data": value.tobytes(), b"dtype": value.dtype.str, b"shape": value.shape}
+    if isinstance(value, np.generic):
+        return {b"__npgeneric__": True, b"data": value.item(), b"dtype": value.dtype.str}
+    return value
+
+
+def openpi_unpack_array(value):
+    """openpi's unpack_array: the object hook of msgpack.unpackb."""
+    if b"__ndarray__" in value:
+        return np.ndarray(buffer=value[b"data"], dtype=np.dtype(value[b"dtype"]), shape=value[b"shape"])
+    if b"__npgeneric__" in value:
+        return np.dtype(value[b"dtype"]).type(value[b"data"])
+    return value
+
+
+def reference_pack(message) -> bytes:
+    return msgpack_or_skip().packb(message, default=openpi_pack_array)
+
+
+def reference_unpack(frame: bytes):
+    return msgpack_or_skip().unpackb(frame, object_hook=openpi_unpack_array)
+
+
+def array_map(dtype, shape, data) -> dict:
+    """An array's map as a peer may write it, right or wrong: it unpacks as an array, or is refused."""
+    return {b"__ndarray__": True, b"data": data, b"dtype": dtype, b"shape": shape}
+
+
+def step_messages(n: int, seed: int = 0) -> list[dict]:
+    """An infer, its action and a feedback for n environments, with what the wire must carry besides: nested
+    info, a <U text array, numpy scalars, an empty array, a 180 KB camera frame, a big-endian array."""
+    rng = np.random.default_rng(seed)
+    obs = {"state": rng.random((n, 3), np.float32), "camera": rng.integers(0, 256, (1, 224, 268, 3), np.uint8)}
+    info = {"episode": {"r": rng.random(n, np.float32), "l": np.ones(n, np.int64), "s": np.zeros(n, bool),
+                        "mask": np.ones(n, bool)},
+            "task": np.array(["pick up the red block", "stack"] * n)[:n], "contacts": np.zeros((n, 0), np.float32),
+            "force": np.arange(n, dtype=">f8"), "nested": {"at": [np.int64(3), np.float32(0.5), 1.5, None, "x"]}}
+    return [{"message_type": "infer", "env_indices": np.arange(n), "obs": obs},
+            {"message_type": "action", "env_indices": np.arange(n), "action": rng.random((n, 1, 1), np.float32)},
+            {"message_type": "feedback", "env_indices": np.arange(n), "obs": obs, "reward": rng.random(n, np.float32),
+             "terminated": np.zeros(n, bool), "truncated": np.ones(n, bool), "info": info}]
+
+
+def assert_same_values(got, want, path="message"):
+    """The same tree: the same containers and keys, arrays of the same dtype, shape and elements."""
+    if isinstance(want, np.ndarray):  # in this machine's byte order: a big-endian array is read as numbers
+        assert isinstance(got, np.ndarray) and got.shape == want.shape, path
+        assert got.dtype == want.dtype.newbyteorder("=") and np.array_equal(got, want), path
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), path
+        for key in want:
+            assert_same_values(got[key], want[key], f"{path}.{key}")
+    elif isinstance(want, (list, tuple)):
+        assert isinstance(got, list) and len(got) == len(want), path
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_same_values(a, b, f"{path}[{i}]")
+    else:
+        assert type(got) is type(want) and got == want, (path, got, want)
+
+
+# --- A step's messages, byte for byte what msgpack writes with openpi's hooks, both ways -----------
+
+@contract
+@pytest.mark.parametrize("n", [1, 64])
+@wire
+def test_a_steps_messages_pack_to_the_bytes_msgpack_writes_with_openpis_hooks(n):
+    for message in step_messages(n):
+        assert pack_message(message) == reference_pack(message), message["message_type"]
 
 
 @contract
-@pytest.mark.parametrize("dtype", ALLOWED_DTYPES)
+@pytest.mark.parametrize("n", [1, 64])
 @wire
-def test_every_allowed_dtype_round_trips_in_every_shape(dtype):
-    for shape in [(0,), (5,), (2, 3), (2, 0, 4), (1, 1, 1, 2)]:
-        array = random_array(dtype, shape)
-        decoded = unpack_message(pack_message({"a": array}))["a"]
-        assert decoded.dtype == np.dtype(dtype) and decoded.shape == shape
-        np.testing.assert_array_equal(decoded, array)
+def test_a_steps_messages_packed_by_msgpack_unpack_to_what_msgpack_unpacks_them_to(n):
+    for message in step_messages(n):
+        frame = reference_pack(message)
+        assert_same_values(unpack_message(frame), reference_unpack(frame))
+
+
+INTS = [0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63 - 1, 2**64 - 1,
+        -1, -32, -33, -128, -129, -32768, -32769, -2**31, -2**31 - 1, -2**63]
 
 
 @contract
+@pytest.mark.parametrize("value", INTS)
 @wire
-def test_0d_arrays_and_numpy_scalars_round_trip_as_0d():
-    for dtype in ALLOWED_DTYPES:
-        for value in (random_array(dtype, ()), random_array(dtype, ())[()]):  # a 0-d array, a numpy scalar
-            decoded = unpack_message(pack_message({"a": value}))["a"]
-            assert (decoded.dtype, decoded.shape) == (np.dtype(dtype), ()), f"{dtype} {type(value).__name__}"
-            assert decoded == value
+def test_an_int_packs_in_the_smallest_width_as_msgpack_packs_it_and_comes_back(value):
+    frame = pack_message({"x": value})
+    assert frame == reference_pack({"x": value}) and unpack_message(frame)["x"] == value
 
 
 @contract
+@pytest.mark.parametrize("length", [0, 15, 16, 31, 32, 255, 256, 65535, 65536])
 @wire
-def test_nested_dicts_lists_and_json_values_round_trip():
-    inner = np.arange(6, dtype=np.float32).reshape(2, 3)
-    message = {"a": {"b": [inner, {"c": np.int64(7)}], "text": "hi", "n": 3, "x": 2.5, "none": None, "yes": True},
-               "list": [1, [np.zeros((0, 3), np.uint8), "s"]], "transposed": inner.T}
-    decoded = unpack_message(pack_message(message))
-    np.testing.assert_array_equal(decoded["a"]["b"][0], inner)
-    assert decoded["a"]["b"][1]["c"] == 7
-    assert {k: decoded["a"][k] for k in ("text", "n", "x", "none", "yes")} == {
-        "text": "hi", "n": 3, "x": 2.5, "none": None, "yes": True}
-    assert decoded["list"][0] == 1 and decoded["list"][1][0].shape == (0, 3) and decoded["list"][1][1] == "s"
-    np.testing.assert_array_equal(decoded["transposed"], inner.T)  # a non-contiguous array keeps its values
-
-
-@contract
-@wire
-def test_decoded_arrays_are_read_only_views():
-    decoded = unpack_message(pack_message({"a": np.zeros(3, np.float32)}))["a"]
-    with pytest.raises(ValueError):
-        decoded[0] = 1.0
-
-
-@contract
-@wire
-def test_every_truncation_of_a_frame_is_rejected():
-    frame = pack_message({"message_type": "infer", "a": np.arange(3, dtype=np.int32), "b": np.ones((2, 2))})
-    for cut in range(len(frame)):
-        with pytest.raises(ProtocolError):
-            unpack_message(frame[:cut])
-
-
-@contract
-@pytest.mark.parametrize("dtype, nbytes", [("|O", 8), ("<c8", 8), ("<U3", 12), ("|V4", 4), ("<M8[s]", 8)])
-@wire
-def test_a_header_with_a_disallowed_dtype_is_rejected(dtype, nbytes):
-    with pytest.raises(ProtocolError, match="allowed dtype"):
-        unpack_message(raw_frame([[dtype, [1]]], bytes(nbytes)))
-
-
-@contract
-@pytest.mark.parametrize("shape, nbytes", [([3], 11), ([2, 2], 12)], ids=["one byte short", "shape wants more"])
-@wire
-def test_an_array_with_fewer_bytes_than_its_shape_is_rejected(shape, nbytes):
-    with pytest.raises(ProtocolError, match="declares"):
-        unpack_message(raw_frame([["<i4", shape]], bytes(nbytes)))
-
-
-@contract
-@pytest.mark.parametrize("shape, nbytes", [([3], 13), ([1, 2], 12)], ids=["one byte over", "shape wants fewer"])
-@wire
-def test_bytes_left_over_after_the_declared_arrays_are_rejected(shape, nbytes):
-    with pytest.raises(ProtocolError, match="left over"):
-        unpack_message(raw_frame([["<i4", shape]], bytes(nbytes)))
-
-
-@contract
-@wire
-def test_a_text_frame_is_rejected():
-    with pytest.raises(ProtocolError, match="text frame"):
-        unpack_message('{"message_type": "infer"}')
-
-
-@contract
-@pytest.mark.parametrize("header", [b"{nope", b"\xff\xfe", b'{"message": {}, "arrays": []'])
-@wire
-def test_a_header_that_is_not_json_is_rejected(header):
-    with pytest.raises(ProtocolError, match="JSON"):
-        unpack_message(len(header).to_bytes(4, "little") + header)
-
-
-@contract
-@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
-@wire
-def test_a_header_holding_nan_or_infinity_is_rejected(constant):
-    # JSON has no such constants (pack_message refuses to write them); Python's json reads them by default.
-    header = f'{{"message": {{"x": {constant}}}, "arrays": []}}'.encode()
-    with pytest.raises(ProtocolError):
-        unpack_message(len(header).to_bytes(4, "little") + header)
-
-
-@pytest.mark.parametrize("arrays, message", [
-    ([["<i4", [-1]]], None),  # negative dimension
-    ([["<i4", [1.5]]], None),  # non-integer dimension
-    ([["<i4"]], None),  # no shape
-    ([], None),  # a reference to an array that is not declared
-    ([["<i4", [1]]], {"x": {"__array__": 0, "extra": 1}}),  # a reference with other keys
-], ids=["negative dimension", "float dimension", "no shape", "dangling reference", "reference with extra keys"])
-@contract
-@wire
-def test_a_header_that_misdescribes_its_arrays_is_rejected(arrays, message):
-    with pytest.raises(ProtocolError):
-        unpack_message(raw_frame(arrays, bytes(4 * len(arrays)), message))
-
-
-@contract
-@pytest.mark.parametrize("array", [np.array([1, "a"], object), np.array([1 + 2j]), np.array(["abc"])],
-                         ids=["object", "complex", "unicode"])
-@wire
-def test_pack_message_refuses_arrays_that_are_not_bool_int_uint_or_float(array):
-    with pytest.raises(ProtocolError, match="dtype"):
-        pack_message({"a": array})
-
-
-# --- dtype spellings, byte order, the header cache ------------------------------------------------
-
-NAMES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-         "float16", "float32", "float64"]
-
-
-def raw_frame_spaced(arrays, payload: bytes, message=None, space=b"") -> bytes:
-    message = {"x": {"__array__": 0}} if message is None else message
-    header = json.dumps({"message": message, "arrays": arrays}).encode() + space
-    return len(header).to_bytes(4, "little") + header + payload
-
-
-@contract
-@pytest.mark.parametrize("name", NAMES)
-@wire
-def test_a_dtype_name_and_its_dtype_str_both_decode(name):
-    dtype = np.dtype(name)
-    payload = np.arange(6).astype(dtype).tobytes()
-    for spelling in (name, dtype.str):
-        decoded = unpack_message(raw_frame_spaced([[spelling, [2, 3]]], payload))["x"]
-        assert decoded.dtype == dtype and decoded.shape == (2, 3)
-        np.testing.assert_array_equal(decoded, np.arange(6).astype(dtype).reshape(2, 3))
+def test_str_bin_lists_and_maps_of_every_length_class_pack_as_msgpack_packs_them(length):
+    message = {"s": "é" * (length // 2) + "x" * (length % 2), "b": bytes(length), "l": list(range(length)),
+               "t": tuple("ab"), "m": {str(i): i for i in range(length)}}
+    assert pack_message(message) == reference_pack(message)
+    assert_same_values(unpack_message(pack_message(message)), {**message, "t": ["a", "b"]})
 
 
 @contract
 @wire
-def test_pack_writes_dtype_str():
-    frame = pack_message({"a": np.zeros(2, np.float32), "b": np.zeros((), bool)})
-    header = json.loads(frame[4:4 + int.from_bytes(frame[:4], "little")])
-    assert header["arrays"] == [["<f4", [2]], ["|b1", []]]
+def test_what_a_peer_may_write_unpacks_float32_and_the_widths_msgpack_would_not_choose():
+    frame = (b"\x85" + b"\xa1f\xca" + struct.pack(">f", 0.5) + b"\xa1u\xcf" + (7).to_bytes(8, "big")
+             + b"\xa1s\xdb" + (2).to_bytes(4, "big") + b"hi" + b"\xa1a\xdd" + (1).to_bytes(4, "big") + b"\xc0"
+             + b"\xa1m\xdf" + (1).to_bytes(4, "big") + b"\xc4\x01k\xc3")
+    assert unpack_message(frame) == {"f": 0.5, "u": 7, "s": "hi", "a": [None], "m": {b"k": True}}
 
 
 @contract
-@pytest.mark.parametrize("dtype", [">f4", ">i8", ">u2", ">f8"])
+@pytest.mark.parametrize("scalar", [np.float32(1.5), np.int64(-3), np.bool_(True), np.uint8(255), np.float16(-2)],
+                         ids=repr)
 @wire
-def test_a_big_endian_dtype_is_refused_saying_little_endian(dtype):
-    with pytest.raises(ProtocolError, match="little-endian") as info:
-        unpack_message(raw_frame_spaced([[dtype, [1]]], bytes(np.dtype(dtype).itemsize)))
-    assert repr(dtype) in str(info.value)
-
-
-@contract
-@pytest.mark.parametrize("dtype", ["<c8", "complex64", "f", "=f4", "float128", "|O", 5, None,
-                                   ["<f4"]])
-@wire
-def test_an_unknown_dtype_is_named_and_the_accepted_spellings_listed(dtype):
-    with pytest.raises(ProtocolError, match="allowed dtype") as info:
-        unpack_message(raw_frame_spaced([[dtype, [1]]], bytes(8)))
-    text = str(info.value)
-    assert repr(dtype)[:40] in text and "<f4 or float32" in text and "|b1 or bool" in text
+def test_a_numpy_scalar_travels_as_openpis_npgeneric_and_comes_back_of_its_type(scalar):
+    frame = pack_message({"x": scalar})
+    assert frame == reference_pack({"x": scalar}) and b"__npgeneric__" in frame
+    back = unpack_message(frame)["x"]
+    assert type(back) is type(scalar) and back == scalar
 
 
 @contract
 @wire
-def test_pack_refuses_a_big_endian_array():
-    with pytest.raises(ProtocolError, match="little-endian"):
-        pack_message({"a": np.zeros(2, ">f4")})
+def test_an_np_float64_packs_as_a_float_as_msgpack_packs_it():
+    assert unpack_message(pack_message({"x": np.float64(2.5)})) == {"x": 2.5}  # a float subclass
+
+
+DTYPES = ["|b1", "|u1", "<u2", "<u4", "<u8", "|i1", "<i2", "<i4", "<i8", "<f2", "<f4", "<f8", "<U5"]
+
+
+def sample(dtype: str, shape) -> np.ndarray:
+    values = np.asarray(np.arange(math.prod(shape)).reshape(shape) % 7)  # 0-d stays an array
+    return values.astype(dtype)
+
+
+@contract
+@pytest.mark.parametrize("dtype", DTYPES)
+@wire
+def test_an_array_of_every_dtype_and_shape_round_trips_keeping_its_typestr(dtype):
+    for shape in [(), (0,), (5,), (2, 3), (2, 0, 4)]:
+        array = sample(dtype, shape)
+        frame = pack_message({"a": array})
+        assert frame == reference_pack({"a": array})
+        back = unpack_message(frame)["a"]
+        assert (back.dtype.str, back.shape) == (dtype, shape) and np.array_equal(back, array)
+
+
+@contract
+@wire
+def test_text_travels_as_utf32_nul_padded_to_its_longest_string():
+    frame = pack_message({"text": np.array(["pick up the red block", "stack"])})
+    assert b"<U21" in frame and "stack".encode("utf-32-le") + bytes(4 * 16) in frame
+    assert unpack_message(frame)["text"].tolist() == ["pick up the red block", "stack"]
+
+
+@contract
+@wire
+def test_a_big_endian_array_is_read_with_its_values_in_this_machines_byte_order():
+    array = np.array([1.5, -2.0], ">f4")
+    frame = pack_message({"a": array})
+    assert frame == reference_pack({"a": array}) and array.tobytes() in frame  # sent as it is
+    back = unpack_message(frame)["a"]
+    assert back.dtype == np.dtype("=f4") and back.tolist() == [1.5, -2.0]
+
+
+@contract
+@wire
+def test_a_view_packs_its_own_elements_in_c_order():
+    grid = np.arange(24, dtype=np.int32).reshape(4, 6)
+    for view in (grid.T, grid[::2, 1:], grid[:, ::-1], np.asfortranarray(grid)):
+        assert pack_message({"v": view}) == reference_pack({"v": view})
+        assert unpack_message(pack_message({"v": view}))["v"].tolist() == view.tolist()
 
 
 @contract
 @pytest.mark.parametrize("kind", [bytes, bytearray])
 @wire
-def test_decoded_arrays_are_read_only_views_of_the_frame(kind):
-    frame = kind(pack_message({"a": np.arange(4, dtype=np.int32), "b": np.ones((2, 2))}))
-    decoded = unpack_message(frame)
-    for array in decoded.values():
-        assert not array.flags.writeable
-        assert np.shares_memory(array, np.frombuffer(frame, np.uint8))  # a view, not a copy
+def test_a_received_array_is_a_read_only_view_of_the_frame_not_a_copy(kind):
+    frame = kind(pack_message({"camera": np.ones((224, 268, 3), np.uint8), "state": np.ones((2, 2))}))
+    for array in unpack_message(frame).values():
+        assert not array.flags.writeable and np.shares_memory(array, np.frombuffer(frame, np.uint8))
+
+
+# --- What is refused: each a ProtocolError that says which ---------------------------------------
+
+def refusal_by_unpack(frame) -> str:
+    """What unpack_message says of frame; fails if it accepts it, or raises anything but a ProtocolError."""
+    with pytest.raises(ProtocolError) as refusal:
+        unpack_message(frame)
+    return str(refusal.value)
 
 
 @contract
 @wire
-def test_a_cached_header_still_gets_every_byte_count_check():
-    frame = pack_message({"a": np.arange(3, dtype=np.int32)})
-    unpack_message(frame)  # now cached
-    with pytest.raises(ProtocolError, match="declares"):
-        unpack_message(frame[:-1])
-    with pytest.raises(ProtocolError, match="left over"):
-        unpack_message(frame + b"\0")
+def test_a_text_frame_is_rejected():
+    assert "text frame" in refusal_by_unpack('{"message_type": "infer"}')
+
+
+@contract
+@pytest.mark.parametrize("ext", [b"\xd4\x01\x00", b"\xd8\x01" + bytes(16), b"\xc7\x03\x01abc",
+                                 b"\xd6\xff" + bytes(4), b"\xc1"], ids=["fixext1", "fixext16", "ext8", "timestamp",
+                                                                        "0xc1"])
+@wire
+def test_an_extension_type_or_an_unused_byte_is_rejected_naming_it(ext):
+    said = refusal_by_unpack(b"\x81\xa1x" + ext)
+    assert f"byte 0x{ext[0]:02x} at offset 3" in said
 
 
 @contract
 @wire
-def test_each_decode_of_a_cached_header_gets_its_own_containers():
-    frame = pack_message({"a": {"b": [np.zeros(1), 1]}, "s": "x"})
-    first = unpack_message(frame)
-    first["a"]["b"].append("changed")
-    first["a"]["new"] = 1
-    second = unpack_message(frame)
-    assert second["a"]["b"][1] == 1 and len(second["a"]["b"]) == 2 and "new" not in second["a"]
+def test_a_frame_cut_anywhere_is_rejected():
+    frame = pack_message(step_messages(2)[2])
+    for cut in [*range(0, 200), *range(200, len(frame), 997)]:
+        assert refusal_by_unpack(frame[:cut])
+
+
+@contract
+@pytest.mark.parametrize("extra", [b"\x00", b"\xc0", b"\x80", b"\x81\xa1a\x01"], ids=repr)
+@wire
+def test_bytes_left_over_after_the_map_are_rejected(extra):
+    assert f"{len(extra)} bytes follow the message's end" in refusal_by_unpack(pack_message({"a": 1}) + extra)
+
+
+@contract
+@pytest.mark.parametrize("top", [[1, 2], 1, "infer", None, True], ids=repr)
+@wire
+def test_a_frame_that_is_not_a_map_is_rejected(top):
+    assert "a message is a map" in refusal_by_unpack(reference_pack(top))
+
+
+@contract
+@pytest.mark.parametrize("key", [1, None, 1.5, [1], {}], ids=repr)
+@wire
+def test_a_map_key_that_is_neither_str_nor_bin_is_rejected(key):
+    assert "keys are str or bin" in refusal_by_unpack(b"\x81" + reference_pack(key) + b"\x01")
 
 
 @contract
 @wire
-def test_the_header_cache_stays_small():
-    for i in range(200):
-        unpack_message(pack_message({"i": i, "a": np.zeros(1)}))
-    unpack_message(pack_message({"big": "x" * 5000}))  # too long to keep
-    assert len(plugrl_min._CHECKED_HEADERS) <= 64
-    assert all(len(header) <= 4096 for header in plugrl_min._CHECKED_HEADERS)
+def test_a_str_that_is_not_utf8_is_rejected():
+    assert "not UTF-8" in refusal_by_unpack(b"\x81\xa1x\xa2\xff\xfe")
 
 
 @contract
 @wire
-def test_round_trip_of_a_long_header_that_is_not_cached():
-    message = {"text": "x" * 10000, "a": np.arange(5)}
-    decoded = unpack_message(pack_message(message))
-    assert decoded["text"] == message["text"]
-    np.testing.assert_array_equal(decoded["a"], message["a"])
+def test_nesting_deeper_than_64_levels_is_refused_both_ways():
+    message = {"x": 7}
+    for _ in range(plugrl_min._MAX_DEPTH - 2):  # 63 maps: the 7 is at level 64, the limit
+        message = {"x": message}
+    assert unpack_message(pack_message(message)) == message
+    with pytest.raises(ProtocolError, match="deeper than 64 levels"):
+        pack_message({"x": message})
+    for depth in (65, 100_000):  # the depth is counted as it is read: no RecursionError
+        assert "deeper than 64" in refusal_by_unpack(b"\x81\xa1x" + b"\x91" * depth + b"\xc0")
 
 
 @contract
 @wire
-def test_nesting_over_the_limit_is_refused_both_ways():
-    deep = np.zeros(1)
-    for _ in range(plugrl_min._MAX_DEPTH):
-        deep = [deep]
-    with pytest.raises(ProtocolError, match="deep"):
-        pack_message({"x": deep})
-    ok = deep[0]  # one level less: at the limit, it round trips whole
-    decoded = unpack_message(pack_message({"x": ok}))["x"]
-    for _ in range(plugrl_min._MAX_DEPTH - 1):
-        assert isinstance(decoded, list) and len(decoded) == 1
-        decoded = decoded[0]
-    np.testing.assert_array_equal(decoded, np.zeros(1))
-    header = b'{"message": {"x": %s}, "arrays": []}' % (b"[" * 70 + b"]" * 70)
-    with pytest.raises(ProtocolError, match="deeper"):
-        unpack_message(len(header).to_bytes(4, "little") + header)
-
-
-@contract
-@wire
-def test_a_message_that_holds_itself_is_a_protocol_error():
+def test_a_message_that_holds_itself_is_refused():
     message = {"a": 1}
     message["self"] = message
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError, match="deeper"):
         pack_message(message)
 
 
 @contract
+@pytest.mark.parametrize("value", [{1, 2}, object(), 2**64, -2**63 - 1, 1j],
+                         ids=["set", "object", "2**64", "-2**63 - 1", "complex"])
 @wire
-def test_a_header_with_an_int_of_5000_digits_is_a_protocol_error():
-    header = b'{"message": {"x": ' + b"1" * 5000 + b'}, "arrays": []}'
-    with pytest.raises(ProtocolError, match="JSON"):
-        unpack_message(len(header).to_bytes(4, "little") + header)
+def test_a_value_msgpack_cannot_carry_is_refused_when_packing(value):
+    with pytest.raises(ProtocolError):
+        pack_message({"x": value})
+
+
+@contract
+@pytest.mark.parametrize("head", [b"\xdb", b"\xc6", b"\xdd", b"\xdf"], ids=["str32", "bin32", "array32", "map32"])
+@wire
+def test_a_length_past_the_frames_end_is_rejected_before_anything_is_allocated(head):
+    frame = b"\x81\xa1x" + head + b"\xff\xff\xff\xff" + bytes(16)  # 4 billion bytes or items, 16 sent
+    tracemalloc.start()
+    try:
+        said = refusal_by_unpack(frame)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert "runs past the frame's end" in said and peak < 2**20
+
+
+@contract
+@pytest.mark.parametrize("shape", [[10**12], [2**40, 2**40], [10**6] * 4, [1, 10**15], [2**62, 3]])
+@wire
+def test_a_huge_declared_shape_is_rejected_without_allocating_it(shape):
+    tracemalloc.start()
+    try:
+        said = refusal_by_unpack(pack_message({"x": array_map("<f8", shape, bytes(8))}))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert "bytes of data, got 8 bytes" in said and peak < 2**20
+
+
+@contract
+@pytest.mark.parametrize("data", [bytes(11), bytes(13), bytes(0), "twelve bytes", None, 12], ids=repr)
+@wire
+def test_an_array_whose_data_is_not_its_shapes_bytes_is_rejected(data):
+    assert "needs 12 bytes of data" in refusal_by_unpack(pack_message({"x": array_map("<f4", [3], data)}))
+
+
+@contract
+@pytest.mark.parametrize("shape", [[-1], [2.5], ["3"], [True], 3, None, [[1]], [1] * 33], ids=repr)
+@wire
+def test_a_shape_that_is_not_a_list_of_sizes_is_rejected(shape):
+    assert "shape must be a list of sizes" in refusal_by_unpack(pack_message({"x": array_map("<f4", shape, b"")}))
+
+
+@contract
+@pytest.mark.parametrize("dtype", ["|O8", "|V4", "<c8", "<M8[s]", "float32", "f4", "<f5", "<i3", "|S4", 5, None],
+                         ids=repr)
+@wire
+def test_a_dtype_that_is_not_a_typestr_of_bool_int_uint_float_or_text_is_rejected(dtype):
+    assert "dtype" in refusal_by_unpack(pack_message({"x": array_map(dtype, [1], bytes(8))}))
+
+
+@contract
+@pytest.mark.parametrize("value", [np.array([1, "a"], object), np.array([1 + 2j]), np.zeros(2, "|V4"),
+                                   np.complex64(1j)], ids=["object", "complex", "structured", "complex scalar"])
+@wire
+def test_an_object_structured_or_complex_dtype_is_refused_when_packing(value):
+    with pytest.raises(ProtocolError, match="cannot send dtype"):
+        pack_message({"x": value})
 
 
 @contract
 @wire
-def test_text_after_the_header_object_is_refused():
-    with pytest.raises(ProtocolError, match="JSON"):
-        unpack_message(raw_frame_spaced([["<i4", [1]]], bytes(4), space=b" "))
+def test_a_text_array_holding_a_code_point_above_u10ffff_is_rejected():
+    data = (0x110000).to_bytes(4, "little")  # numpy raises SystemError on reading it
+    assert "above U+10FFFF" in refusal_by_unpack(pack_message({"text": array_map("<U1", [1], data)}))
 
 
 @contract
+@pytest.mark.parametrize("data", ["x", 300, None, [1]], ids=repr)
 @wire
-def test_a_message_that_is_itself_a_reference_is_refused():
-    with pytest.raises(ProtocolError, match="reference"):
-        unpack_message(raw_frame_spaced([["<i4", [1]]], bytes(4), message={"__array__": 0}))
-
-
-@contract
-@wire
-def test_numpy_scalars_and_0d_arrays_round_trip_as_0d_and_lists_tuples_nest():
-    message = {"s": np.float64(2.5), "z": np.array(3, np.int8), "t": (1, np.bool_(True)),
-               "l": [{"k": np.uint16(7)}], "n": None, "f": 1.5}
-    decoded = unpack_message(pack_message(message))
-    assert decoded["s"].shape == () and decoded["s"].dtype == np.float64 and decoded["s"] == 2.5
-    assert decoded["z"].shape == () and decoded["z"].dtype == np.int8
-    assert decoded["t"][0] == 1 and decoded["t"][1].dtype == bool and decoded["t"][1]
-    assert decoded["l"][0]["k"].dtype == np.uint16 and decoded["n"] is None and decoded["f"] == 1.5
-
-
-@contract
-@wire
-def test_the_reserved_key_is_refused_at_any_depth():
-    with pytest.raises(ProtocolError, match="reserved"):
-        pack_message({"a": [{"b": {"__array__": 0}}]})
+def test_a_numpy_scalar_that_cannot_hold_its_data_is_rejected(data):
+    frame = pack_message({"x": {b"__npgeneric__": True, b"data": data, b"dtype": "|u1"}})
+    assert "cannot hold" in refusal_by_unpack(frame)
 
 
 @contract
@@ -3627,87 +3658,13 @@ def test_no_pickle_anywhere_in_the_code():
     assert not [name for name in names if "pickle" in name.lower()]
 
 
-# --- A header that would cost the server dear is refused before anything is allocated -------------
-
-def frame_declaring(arrays, payload=b"abc") -> bytes:
-    return raw_frame(arrays, payload)
-
-
-def raised_by_unpack(frame: bytes):
-    """What unpack_message raises for frame (None if it accepts it), so a failure reads in one line."""
-    try:
-        unpack_message(frame)
-    except Exception as error:  # noqa: BLE001 - the test asserts its type
-        return error
-    return None
-
-
-@contract
-@pytest.mark.parametrize("shape", [[10**12], [2**40, 2**40], [10**6] * 4, [1, 10**15]])
-@wire
-def test_a_header_declaring_a_huge_array_is_refused_quickly_without_allocating_it(shape):
-    frame = frame_declaring([["<f8", shape]])
-    tracemalloc.start()
-    started = time.perf_counter()
-    try:
-        with pytest.raises(ProtocolError):
-            unpack_message(frame)
-        elapsed = time.perf_counter() - started
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert elapsed < 5 and peak < 2**20  # a loop over 10**12 declared items would take hours
-
-
-@contract
-@pytest.mark.parametrize("shape, payload", [([0, 10**30], b""), ([10**40, 0], b""), ([1] * 100, b"\0" * 8)],
-                         ids=["0 x 1e30", "1e40 x 0", "100 axes of 1"])
-@wire
-def test_a_header_declaring_a_shape_numpy_cannot_make_is_a_protocol_error(shape, payload):
-    assert isinstance(raised_by_unpack(frame_declaring([["<f8", shape]], payload)), ProtocolError)
-
-
-@contract
-@pytest.mark.parametrize("dtype", [["<f4"], {"<f4": 1}, 5, None], ids=["list", "object", "number", "null"])
-@wire
-def test_a_header_whose_dtype_is_not_a_string_is_a_protocol_error(dtype):
-    assert isinstance(raised_by_unpack(frame_declaring([[dtype, [1]]], b"\0" * 4)), ProtocolError)
-
-
-@contract
-@wire
-def test_a_header_nested_too_deeply_is_a_protocol_error():
-    depth = 600
-    header = b'{"message": {"x": %s}, "arrays": []}' % (b"[" * depth + b"]" * depth)
-    assert isinstance(raised_by_unpack(framed(header)), ProtocolError)
-
-
-# --- A client in another language: dtype names, a big-endian array, a space before the JSON -------
-
-def hand_packed(message: dict, spell, swap=lambda array: array) -> bytes:
-    """A frame written by hand, as a client in another language would: each array's dtype
-    spelled spell(dtype), its bytes those of swap(array)."""
-    arrays = []
-
-    def encode(value):
-        if isinstance(value, np.ndarray):
-            arrays.append(swap(value))
-            return {"__array__": len(arrays) - 1}
-        return {k: encode(v) for k, v in value.items()} if isinstance(value, dict) else value
-
-    header = json.dumps({"message": encode(message),
-                         "arrays": [[spell(a.dtype), list(a.shape)] for a in arrays]}).encode()
-    return b"".join([len(header).to_bytes(4, "little"), header, *(a.tobytes() for a in arrays)])
-
+# --- A client of another codec: msgpack's own frames reach the algorithm as ours do ----------------
 
 @wire
-def test_a_feedback_with_dtype_names_gives_the_algorithm_the_same_frame_as_with_dtype_str(
-        tmp_path):
+def test_a_feedback_packed_by_msgpack_with_openpis_hooks_gives_the_algorithm_the_frames_ours_gives(tmp_path):
     feedback = good_message("feedback")
-    feedback["reward"] = np.array([0.5, -2.25], np.float32)
-    frames = [hand_packed(feedback, lambda dtype: dtype.name),  # "float32", "int64", "bool"
-              hand_packed(feedback, lambda dtype: dtype.str)]  # "<f4", "<i8", "|b1"
-    assert b'"float32"' in frames[0] and b'"<f4"' in frames[1]
+    feedback["reward"] = np.array([0.5, -2.25], ">f4")  # a big-endian peer, too
+    frames = [reference_pack(feedback), pack_message(feedback)]
 
     async def script(port, server):
         for frame in frames:  # one client each, one environment tagged 1, one tagged 2
@@ -3719,40 +3676,11 @@ def test_a_feedback_with_dtype_names_gives_the_algorithm_the_same_frame_as_with_
 
     status, stored = run_server(Probe(), tmp_path, script)
     assert len(stored) == 2 * N and status == 0
-    for by_name, by_str in zip(stored[:N], stored[N:]):
+    for theirs, ours in zip(stored[:N], stored[N:]):
         for key in ("reward", "next_terminated", "next_truncated"):
-            assert by_name[key] == by_str[key]
-        np.testing.assert_array_equal(by_name["next_obs"]["state"], by_str["next_obs"]["state"])
-        episode = by_str["info"]["episode"]  # one row of each array: Python numbers
-        assert {key: (type(value), value) for key, value in by_name["info"]["episode"].items()} \
-            == {key: (type(value), value) for key, value in episode.items()}
+            assert theirs[key] == ours[key]
+        np.testing.assert_array_equal(theirs["next_obs"]["state"], ours["next_obs"]["state"])
     assert [frame["reward"] for frame in stored[:N]] == [0.5, -2.25]
-
-
-@wire
-def test_a_big_endian_array_is_refused_with_an_error_saying_little_endian(tmp_path):
-    def big_endian(array):
-        return array.astype(array.dtype.newbyteorder(">")) if array.dtype.kind == "f" else array
-
-    frame = hand_packed(good_message("infer"), lambda dtype: dtype.str, big_endian)
-    assert b'">f4"' in frame
-
-    async def script(port, server):
-        client = await Client.connect(port)
-        await client.ws.send(frame)
-        return await refusal_of(client.ws)
-
-    status, refusal = run_server(Probe(), tmp_path, script)
-    assert "little-endian" in refusal.error and "'>f4'" in refusal.error and "<f4 or float32" in refusal.error
-    assert refusal.code == REFUSED and status == 0
-
-
-@wire
-def test_a_header_with_a_space_before_its_json_says_where_the_json_must_start():
-    header = b' {"message": {}, "arrays": []}'
-    with pytest.raises(ProtocolError, match=re.escape("(the JSON starts at byte 4 of the frame, right after its "
-                                                      "length, with '{', no space before)")):
-        unpack_message(len(header).to_bytes(4, "little") + header)
 
 
 # --- The WebSocket layer, by hand on a raw socket, as README.md tells a client without a library ---
@@ -4639,13 +4567,12 @@ def test_a_protocol_violation_gets_an_error_then_closes_that_connection_alone(tm
 BAD_TAG = 7.0  # every bad connection's observations carry this tag; the good client's carry 1 and 2
 
 
-ONE_ENV_PAYLOAD = np.zeros(1, np.int64).tobytes() + np.full((1, 3), BAD_TAG, np.float32).tobytes()
+def infer_with_state(state_map: dict) -> bytes:
+    """An infer for environment 0 whose obs['state'] is the array map given, right or wrong."""
+    return pack_message(infer_message([0], obs={"state": state_map}))
 
 
-def infer_by_hand(arrays, payload=ONE_ENV_PAYLOAD) -> bytes:
-    """An infer frame built by hand: env_indices is array 0, obs['state'] array 1 (one environment's bytes)."""
-    message = {"message_type": "infer", "env_indices": {"__array__": 0}, "obs": {"state": {"__array__": 1}}}
-    return raw_frame(arrays, payload, message)
+ONE_STATE = np.full((1, 3), BAD_TAG, np.float32).tobytes()  # one environment's observation, as data
 
 
 def with_changes(message: dict, **changes) -> dict:
@@ -4692,33 +4619,37 @@ def _(rng):
     return False, pick(rng, ["", "infer", as_json, noise])
 
 
-@malformed("header not JSON")
+@malformed("not msgpack")
 def _(rng):
-    return False, framed(pick(rng, [b"{nope", b"\xff\xfe", b'{"message": {}, "arrays": []', b"",
-                                    rng.bytes(int(rng.integers(1, 64))) + b"\x80"]))
+    code = pick(rng, [b"\xc1", b"\xd4\x01\x00", b"\xd5\x01\x00\x00", b"\xc7\x01\x01\x00", b"\xd6\xff\x00\x00\x00\x00"])
+    return False, pick(rng, [code, b"\x81\xa1x" + code, b"\x82\xacmessage_type\xa5infer\xa1x" + code])
 
 
-@malformed("header of the wrong form")
+@malformed("not a map")
 def _(rng):
-    return False, framed(json.dumps(pick(rng, [
-        [], 1, "x", {}, None, {"message": [], "arrays": []}, {"message": {}, "arrays": {}}, {"arrays": []},
-        {"message": {"message_type": "infer"}}])).encode())
+    return False, pack_message(pick(rng, [[], [infer_message()], 1, "infer", None, True, 2.5, b"infer"]))
+
+
+@malformed("a map key neither str nor bin")
+def _(rng):
+    key = pick(rng, [b"\x01", b"\xc0", b"\xcb" + bytes(8), b"\x90", b"\x80", b"\xc3"])
+    return False, b"\x82\xacmessage_type\xa5infer" + key + b"\x01"
 
 
 @malformed("bad dtype")
 def _(rng):
-    dtype = pick(rng, ["|O", "<c8", "<c16", "<U3", "|S4", "|V4", ">f4", ">i8", "<M8[s]", "<m8[s]", "complex64", "f",
-                       5, None, ["<f4"], {"<f4": 1}])
-    return False, infer_by_hand([["<i8", [1]], [dtype, [1, 3]]])
+    dtype = pick(rng, ["|O8", "<c8", "<c16", "|S4", "|V4", "<M8[s]", "<m8[s]", "complex64", "float32", "f", "<f5",
+                       "<i3", 5, None, ["<f4"], {"<f4": 1}, b"<f4"])
+    return False, infer_with_state(array_map(dtype, [1, 3], ONE_STATE))
 
 
-@malformed("declared shape wants more bytes than sent")
+@malformed("data that is not the shape's bytes")
 def _(rng):
-    shape = pick(rng, [[1, 3], [2, 3], [1, 30]])
-    return False, infer_by_hand([["<i8", [1]], ["<f4", shape]], ONE_ENV_PAYLOAD[:8 + int(rng.integers(0, 12))])
+    data = pick(rng, [ONE_STATE[:int(rng.integers(0, 12))], ONE_STATE + bytes(int(rng.integers(1, 9))), "x", 12, None])
+    return False, infer_with_state(array_map("<f4", pick(rng, [[1, 3], [2, 3], [1, 30]]), data))
 
 
-@malformed("bytes left over after the arrays")
+@malformed("bytes left over after the map")
 def _(rng):
     return False, pack_message(infer_message()) + rng.bytes(int(rng.integers(1, 33)))
 
@@ -4726,33 +4657,34 @@ def _(rng):
 @malformed("huge declared array")
 def _(rng):
     shape = pick(rng, [[10**12], [2**40, 2**40], [10**6] * 4, [2**62, 3], [1, 10**15]])
-    return False, infer_by_hand([["<i8", [1]], [pick(rng, ["<f8", "|u1", "<i4"]), shape]])
+    return False, infer_with_state(array_map(pick(rng, ["<f8", "|u1", "<i4"]), shape, ONE_STATE))
 
 
-@malformed("shape numpy cannot make")
+@malformed("a length past the frame's end")
 def _(rng):
-    shape = pick(rng, [[0, 10**30], [1] * 100, [10**40, 0], [-1], [2.5], ["3"], [True], "3", [[1]]])
-    return False, infer_by_hand([["<i8", [1]], ["<f4", shape]])
+    head = pick(rng, [b"\xdb", b"\xc6", b"\xdd", b"\xdf", b"\xda", b"\xc5", b"\xdc", b"\xde"])
+    width = 4 if head in (b"\xdb", b"\xc6", b"\xdd", b"\xdf") else 2
+    return False, b"\x82\xacmessage_type\xa5infer\xa1x" + head + b"\xff" * width + rng.bytes(8)
 
 
-@malformed("bad array reference")
+@malformed("shape that is not a list of sizes")
 def _(rng):
-    reference = pick(rng, [{"__array__": 5}, {"__array__": -1}, {"__array__": "0"}, {"__array__": 0.0},
-                           {"__array__": True}, {"__array__": None}, {"__array__": 0, "x": 1}])
-    return False, raw_frame([["<i8", [1]]], ONE_ENV_PAYLOAD[:8], {"message_type": "infer", "env_indices": reference})
+    shape = pick(rng, [[0, 2**64 - 1], [1] * 100, [2**63, 0], [-1], [2.5], ["3"], [True], "3", [[1]], None, 3])
+    return False, infer_with_state(array_map("<f4", shape, ONE_STATE))
 
 
-@malformed("NaN or Infinity in the header")
+@malformed("array map without its keys")
 def _(rng):
-    constant = pick(rng, ["NaN", "Infinity", "-Infinity"])
-    return False, framed(b'{"message": {"message_type": "infer", "x": %s}, "arrays": []}' % constant.encode())
+    state = pick(rng, [{b"__ndarray__": True}, {b"__ndarray__": True, b"data": ONE_STATE, b"dtype": "<f4"},
+                       {b"__ndarray__": True, b"data": ONE_STATE, b"shape": [1, 3]},
+                       {b"__npgeneric__": True, b"dtype": "<f4"}, {b"__npgeneric__": True, b"data": [1], b"dtype": "<f4"}])
+    return False, infer_with_state(state)
 
 
-@malformed("header nested too deeply")
+@malformed("nested too deeply")
 def _(rng):
-    depth = pick(rng, [int(rng.integers(300, 900)), 100_000])
-    return False, framed(b'{"message": {"message_type": "infer", "x": %s}, "arrays": []}'
-                         % (b"[" * depth + b"]" * depth))
+    depth = pick(rng, [int(rng.integers(65, 900)), 50_000])  # the deepest under FUZZ_MAX_BYTES
+    return False, b"\x82\xacmessage_type\xa5infer\xa1x" + pick(rng, [b"\x91", b"\x81\xa1y"]) * depth + b"\xc0"
 
 
 @malformed("unknown message_type")
@@ -4859,7 +4791,7 @@ def _(rng):
 AN_ERROR_THEN_A_CLOSE = f"error, close {REFUSED}"  # what outcome_of says of a message the server refused
 TOO_BIG_A_FRAME = f"no error, close {TOO_BIG}"  # and of a frame over its size limit
 EXPECTED = collections.defaultdict(lambda: AN_ERROR_THEN_A_CLOSE, {"oversized frame": TOO_BIG_A_FRAME})
-FUZZ_PER_KIND = 80  # 27 kinds: 2,160 malformed frames
+FUZZ_PER_KIND = 80  # 28 kinds: 2,240 malformed frames
 FUZZ_MAX_BYTES = 256 * 1024
 FUZZ_BATCH = 60  # bad connections open at once
 
@@ -9171,13 +9103,12 @@ def test_the_readmes_sac_seed_1_is_one_run_with_one_figure():
 
 
 @wire
-def test_the_readmes_hex_dump_of_an_infer_frame_is_what_pack_message_writes():
+def test_the_readmes_hex_dump_of_an_infer_frame_is_what_pack_message_writes_at_the_offsets_it_gives():
     frame = pack_message(infer_message([0], obs={"state": np.array([[0.5, -1.0, 2.0]], np.float32)}))
-    dump = readme_block("A hex dump of one small `infer`")
-    shown = bytes.fromhex("".join(re.findall(r"^[0-9a-f]{4}  ((?:[0-9a-f]{2} )*[0-9a-f]{2})", dump, re.M)))
-    header = 4 + int.from_bytes(frame[:4], "little")
-    assert shown == frame[:4] + frame[header:]  # the length field and the arrays' bytes
-    assert frame[4:header].decode() in dump  # and the header, as text
+    lines = re.findall(r"^([0-9a-f]{4})  ((?:[0-9a-f]{2} )*[0-9a-f]{2})", readme_block("A hex dump of one small"), re.M)
+    assert b"".join(bytes.fromhex(line) for _, line in lines) == frame
+    offsets = [int(offset, 16) for offset, _ in lines]
+    assert offsets == [0] + list(itertools.accumulate(len(bytes.fromhex(line)) for _, line in lines[:-1]))
 
 
 @wire
@@ -9191,7 +9122,7 @@ def test_pg_sends_the_readmes_bytes_per_learn_for_its_default_batch_from_rank_0(
 
 # --- The README's standalone client, extracted and run against a real server to its end -----------
 
-STANDALONE_CLIENT = "### A standalone client in numpy and websockets"
+STANDALONE_CLIENT = "### A standalone client in numpy, msgpack and websockets"
 
 
 def private_memory_mb(pid) -> float:
@@ -9206,6 +9137,7 @@ def standalone_run(tmp_path_factory):
     """The README's standalone client, as a file, against `dummy-policy default dummy default`
     for 2,000 frames (4 environments, episodes of up to 100 steps): it runs until the server
     ends the run. Its memory is sampled every 20 ms while it runs."""
+    msgpack_or_skip()  # the client's codec
     tmp_path = tmp_path_factory.mktemp("standalone")
     script = tmp_path / "client.py"
     script.write_text(readme_block(STANDALONE_CLIENT, nth=1))
@@ -9258,6 +9190,7 @@ def test_the_standalone_client_uses_under_100_mb_of_private_memory(standalone_ru
 
 def standalone_codec(tmp_path):
     """pack and unpack of the README's standalone client, imported from its file."""
+    msgpack_or_skip()
     (tmp_path / "client.py").write_text(readme_block(STANDALONE_CLIENT, nth=1))
     spec = importlib.util.spec_from_file_location("readme_client", tmp_path / "client.py")
     client = importlib.util.module_from_spec(spec)
@@ -9372,7 +9305,7 @@ def test_the_wire_selection_holds_every_test_that_drives_a_client_or_a_server_it
     driving = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)
                and node.name.startswith("test_") and not node.name.startswith(("test_bench_", "test_handout_"))
                and {name.id for name in ast.walk(node) if isinstance(name, ast.Name)} & drivers}
-    assert len(driving) > 80 and driving <= set(chosen) < set(everything), driving - set(chosen)
+    assert len(driving) > 60 and driving <= set(chosen) < set(everything), driving - set(chosen)
 
 
 def test_a_students_my_env_and_my_algo_in_the_project_folder_do_not_change_the_tests_results(tmp_path):
