@@ -1265,7 +1265,7 @@ def _array_of(table: dict) -> np.ndarray:
         raise ProtocolError("a text array holds a code point above U+10FFFF")  # numpy can't read it
     array = np.frombuffer(data, dtype).reshape(shape)  # read-only, a view of the frame: no copy
     # A big-endian array (no little-endian peer sends one) gets this machine's byte order: a copy.
-    return array if dtype.isnative or dtype.byteorder == "|" else array.astype(dtype.newbyteorder("="))
+    return array if dtype.isnative else array.astype(dtype.newbyteorder("="))
 
 
 def unpack_message(frame: bytes) -> dict:
