@@ -1057,7 +1057,7 @@ import struct
 
 _MAX_DEPTH = 64  # a message needs a handful of levels; deeper is refused both ways
 _KINDS = "buifU"  # bool, uint, int, float, text: object, structured and complex are refused
-_TYPESTR = re.compile(r"[<>|=][buifU][1-9][0-9]{0,5}")  # byte order, kind, item size
+_TYPESTR = re.compile(rf"[<>|=][{_KINDS}][1-9][0-9]{{0,5}}")  # byte order, kind, item size
 
 
 class ProtocolError(ValueError):
