@@ -1147,7 +1147,7 @@ _AFTER_DATA = {}  # (typestr, shape) -> the map's last two entries: dtype and sh
 
 def _pack_array(array: np.ndarray, out: list) -> None:
     # What _pack(_openpi_map(array)) writes, the plain form, with the parts that do not change
-    # from one message to the next written once: a step packs a dozen arrays (3x as fast).
+    # from one message to the next written once: a step packs a dozen arrays (2.3x as fast).
     key = (array.dtype.str, array.shape)
     after = _AFTER_DATA.get(key)
     if after is None:
@@ -1192,7 +1192,7 @@ def _read(frame: memoryview, pos: int, depth: int) -> tuple:
         return number.unpack_from(frame, pos)[0], pos + number.size
     if code < 0xa0:  # fixmap 0x80-0x8f, fixarray 0x90-0x9f
         kind, n = ("map" if code < 0x90 else "array"), code & 0x0f
-    elif code < 0xc0:
+    elif code < 0xc0:  # fixstr 0xa0-0xbf
         kind, n = "str", code & 0x1f
     elif code in _SIZED:
         kind, width = _SIZED[code]
