@@ -3487,6 +3487,35 @@ def test_a_received_array_is_a_read_only_view_of_the_frame_not_a_copy(kind):
         assert not array.flags.writeable and np.shares_memory(array, np.frombuffer(frame, np.uint8))
 
 
+@contract
+@wire
+def test_a_frame_laid_out_as_one_read_before_is_not_parsed_again_and_gives_its_own_values(monkeypatch):
+    first, again = (pack_message(step_messages(8, seed)[2]) for seed in (1, 2))
+    assert len(first) == len(again) and first != again  # the same keys, dtypes and shapes, other values
+    read_first = unpack_message(first)
+    read_first["info"]["episode"]["mask"] = "changed by its reader"
+    parsed = []
+    monkeypatch.setattr(plugrl_min, "_read", lambda *args: parsed.append(args) or pytest.fail("parsed"))
+    got = unpack_message(again)
+    assert not parsed
+    assert_same_values(got, step_messages(8, seed=2)[2])  # not the first frame's values, nor its reader's
+    assert np.shares_memory(got["obs"]["camera"], np.frombuffer(again, np.uint8))
+
+
+@contract
+@pytest.mark.parametrize("before, after", [({"ab": np.arange(3)}, {"cd": np.arange(3)}),
+                                           ({"a": np.zeros(3, "<i4")}, {"a": np.ones(3, "<f4")}),
+                                           ({"a": np.zeros((2, 3))}, {"a": np.ones((3, 2))}),
+                                           ({"a": [np.arange(3), "x"]}, {"a": ["y", np.arange(3)]})],
+                         ids=["a key", "a dtype", "a shape", "an order"])
+@wire
+def test_a_frame_of_the_same_length_laid_out_otherwise_is_read_as_its_own(before, after):
+    frames = pack_message(before), pack_message(after)
+    assert len(frames[0]) == len(frames[1])
+    unpack_message(frames[0])
+    assert_same_values(unpack_message(frames[1]), after)
+
+
 # --- What is refused: each a ProtocolError that says which ---------------------------------------
 
 def refusal_by_unpack(frame) -> str:
@@ -3638,9 +3667,18 @@ def test_an_object_structured_or_complex_dtype_is_refused_when_packing(value):
 
 @contract
 @wire
-def test_a_text_array_holding_a_code_point_above_u10ffff_is_rejected():
-    data = (0x110000).to_bytes(4, "little")  # numpy raises SystemError on reading it
-    assert "above U+10FFFF" in refusal_by_unpack(pack_message({"text": array_map("<U1", [1], data)}))
+def test_a_text_array_holding_a_code_point_above_u10ffff_is_rejected_even_laid_out_as_a_good_one():
+    good, bad = (pack_message({"text": array_map("<U1", [1], point.to_bytes(4, "little"))})
+                 for point in (0x10FFFF, 0x110000))  # numpy raises SystemError on reading the bad one
+    assert "above U+10FFFF" in refusal_by_unpack(bad)
+    assert unpack_message(good)["text"][0] == chr(0x10FFFF)
+    assert "above U+10FFFF" in refusal_by_unpack(bad)  # as one more frame of the good one's layout
+
+
+@contract
+@wire
+def test_a_map_that_has_a_key_twice_is_rejected():
+    assert "the key 'x' twice" in refusal_by_unpack(b"\x82\xa1x\x01\xa1x\x02")
 
 
 @contract
