@@ -882,13 +882,11 @@ class DDPAlgorithm(BaseAlgorithm):
 
 
 class PG(DDPAlgorithm):
-    """On-policy policy gradient with a learned value baseline and GAE(lambda) advantages.
-
-    It learns from fixed-size batches of frames, not whole episodes: a learn runs every
+    """On-policy policy gradient with a learned value baseline and GAE(lambda) advantages. It
+    learns from fixed-size batches of frames, not whole episodes: a learn runs every
     frames_per_learn stored frames, so long episodes weigh no more than short ones and a client
     that leaves never holds a learn up. Counters: global_step (frames stored), stored (rows of
-    this batch), learns, saved_at. A DDPAlgorithm: its hooks for several ranks come last.
-    """
+    this batch), learns, saved_at. A DDPAlgorithm: its hooks for several ranks come last."""
 
     on_policy = True  # the gradient is only unbiased for actions of the current policy
 
@@ -1228,7 +1226,7 @@ def _read(frame: memoryview, pos: int, depth: int, found: list) -> tuple:
     if kind == "str":
         return str(frame[pos:pos + n], "utf-8"), pos + n
     if kind == "bin":
-        return frame[pos:pos + n], pos + n  # a view of the frame: _map_of decides
+        return frame[pos:pos + n], pos + n  # a view: an array's data stays one, _kept copies others
     if kind == "array":
         items = []
         for _ in range(n):
@@ -1660,7 +1658,6 @@ class DummyPolicy(BaseTorchPolicy):
         return torch.tanh(mean).cpu().numpy().reshape(-1, *self.action_shape)
 
     def fake_runtime_state(self, n: int) -> PolicyRuntimeState:
-        """Zeros shaped like the runtime state of n environments."""
         size = self.action_horizon * self.action_dim
         return {"action": np.zeros((n, *self.action_shape), np.float32),
                 "sample": np.zeros((n, size), np.float32), "log_prob": np.zeros(n, np.float32)}
@@ -1712,7 +1709,6 @@ class CategoricalPolicy(BaseTorchPolicy):
         return self(self.as_tensors(obs)).logits.argmax(-1).cpu().numpy().reshape(-1, 1, 1)
 
     def fake_runtime_state(self, n: int) -> PolicyRuntimeState:
-        """Zeros shaped like the runtime state of n environments."""
         return {"action": np.zeros((n, 1, 1), np.int64), "sample": np.zeros(n, np.int64),
                 "log_prob": np.zeros(n, np.float32)}
 
@@ -1756,7 +1752,6 @@ class RunRecord:
         self.tensorboard = open_tensorboard(run_dir)  # [tensorboard]
 
     def close(self) -> None:
-        """Close the run's files (none is open before open())."""
         if self.metrics_file is not None:
             self.metrics_file.close()
         if self.tensorboard is not None:  # [tensorboard]
@@ -1768,7 +1763,6 @@ class RunRecord:
         return {"frames": self.frames_before + server.frames, "seconds": round(seconds, 3)}
 
     def count_batch(self, n: int) -> None:
-        """One infer() of n environments."""
         self.infer_calls += 1
         self.inferred_envs += n
 
@@ -1807,8 +1801,7 @@ class RunRecord:
         discarded = server.discarded - self.discarded_at
         metrics = {**means, **rollout, "rollout/episodes": self.window_episodes,
                    "server/fed": frames - discarded, "server/discarded": discarded,
-                   "server/frames": counters["frames"],
-                   "server/policy_version": server.version,
+                   "server/frames": counters["frames"], "server/policy_version": server.version,
                    "server/fps": server.frames / elapsed,
                    "server/mean_batch_size": self.mean_batch_size()}
         line = {"event": event, "step": server.global_step, "time": counters["seconds"], **metrics}
@@ -2249,8 +2242,6 @@ def write_scalars(writer, metrics: dict, step: int) -> None:
 # plugrl_min's own: each run ends with its report; the command compares several. Cut: a run ends
 # with its end line alone, and metrics.jsonl is the record.
 
-import argparse
-
 
 def read_metrics(run_dir: str) -> list[dict]:
     """The lines of a run directory's metrics.jsonl (a UsageError if it has none)."""
@@ -2456,7 +2447,6 @@ class Serving(OnAThread):
             self.started.wait()
 
     def finish(self, coroutine) -> int:
-        """The server's own event loop, until the run ends: its exit status."""
         # Torch's thread count is per thread, and a thread's first use of torch takes the count
         # set last by any thread: asked first, this one's stays 1 when the caller's is put back.
         if torch.get_num_threads() != 1:
@@ -3245,7 +3235,6 @@ class GymEnv(VecEnv):
             env.close()
 
     def _store(self, i, obs) -> None:
-        """Environment i's Gymnasium observation into self.last, key by key."""
         for key, (path, _) in self.keys.items():
             value = obs
             for name in path:  # into a Dict, and into a Dict in it
@@ -3425,7 +3414,6 @@ def eval_main(argv: list[str], command_line: bool = False) -> int:
 
 
 def parse_eval_flags(argv: list[str]) -> argparse.Namespace:
-    """eval's words and flags."""
     parser = argparse.ArgumentParser(prog="python plugrl_min.py eval", description="Evaluate a "
                                      "trained run's policy: it acts, nothing learns, nothing "
                                      "is written into RUN_DIR.")
@@ -3529,11 +3517,9 @@ def field_comments(config_class) -> dict:
     """Field name -> the comment on its line of the config's source: its flag's --help."""
     comments = {}
     for klass in reversed(config_class.__mro__):  # a subclass's comment replaces its base's
-        try:
+        with contextlib.suppress(OSError, TypeError):  # a class made at run time has no source
             source = inspect.getsource(klass)
-        except (OSError, TypeError):  # a class made at run time has no source
-            continue
-        comments.update(re.findall(r"^\s+(\w+)\s*:[^#\n]*#\s*(.+)$", source, re.M))
+            comments.update(re.findall(r"^\s+(\w+)\s*:[^#\n]*#\s*(.+)$", source, re.M))
     return comments
 
 
@@ -3617,8 +3603,7 @@ async def run_in_process(server: Server, executor: MultiAction, on_start) -> int
     server.loop = asyncio.get_running_loop()
     on_start(None)
     server.record.open(server.run_dir)
-    code, reason, status = await run_to_the_end(server, train_in_process(server, executor))
-    return finish_run(server, code, reason, status)
+    return finish_run(server, *await run_to_the_end(server, train_in_process(server, executor)))
 
 
 def parse_server_flags(argv: list[str]) -> tuple[list[str], argparse.Namespace, dict]:
@@ -3920,7 +3905,6 @@ def reap(local_clients: list, seconds: float) -> None:
 
 
 def env_client_main(argv: list[str]) -> int:
-    """Parse the env-client command line and run it."""
     parser = argparse.ArgumentParser(prog="python plugrl_min.py env-client",
                                      description="Run environments against a plugrl_min server.")
     add = parser.add_argument
@@ -4001,8 +3985,7 @@ def import_sac_example() -> None:
 
 
 def main(argv: list[str] | None = None,
-         background: bool = False,  # start()'s (the notebook block): a Serving, once it serves
-         ):
+         background: bool = False):  # start()'s (the notebook block): a Serving, once it serves
     """The command line: the server, env-client, report or eval. main() reads sys.argv, exits
     with the status; main([...]) returns it, as pytest.main does (in a notebook cell too), and
     leaves the caller's torch thread count and global RNG states (torch, numpy) as they were."""
