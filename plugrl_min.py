@@ -190,7 +190,7 @@ class InferBatch:
     version: int  # the policy version that acted: learns so far
     sent_at: float  # the serving clock when its actions were sent: each one's feedback is due
     action: np.ndarray  # [n, action_horizon, action_dim]
-    obs: list  # [n] the observation each action was chosen for, {key: array}
+    obs: list  # [n] the observation each action was chosen for: images, states and text
     runtime_state: list  # [n] each environment's row of the runtime state
     train_state: list  # [n] each environment's row of derive_train_state(runtime_state)
 
@@ -229,7 +229,7 @@ class InferRequest:
 
     conn: Connection
     env_indices: np.ndarray  # int64 [n]
-    obs: dict  # {key: [n, ...]}
+    obs: dict  # images, states, text: each array [n, ...]
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -239,7 +239,7 @@ class Frame:
     env_index: int  # the client's own name for the environment
     slot: EnvSlot
     step: StepState  # taken from the slot when the message arrived: observation, action, states
-    next_obs: dict  # the observation after the decision, {key: array}
+    next_obs: dict  # the observation after the decision: images, states and text
     reward: typing.Any  # a float (with 'stack': a [k] array, one reward per physical step)
     next_terminated: bool  # how the decision ended (the slot holds how the previous one did)
     next_truncated: bool
@@ -384,8 +384,7 @@ class Server:
         self.waiting = []
         if not requests:
             return
-        obs = {key: np.concatenate([request.obs[key] for request in requests])
-               for key in self.obs_spec}
+        obs = join_rows([request.obs for request in requests])  # each one's keys: check_obs's
         n = sum(len(request.env_indices) for request in requests)
         action, runtime_state, train_state = self.infer_and_derive(obs, n)
         batch = InferBatch(self.version, serving_clock(self), action, [], [], [])  # rows: below
@@ -595,7 +594,7 @@ class BaseTorchPolicy(nn.Module):
     action_dim: int
     action_horizon: int = 1
     num_actions: int | None = None  # None: continuous actions
-    obs_spec: dict  # observation key -> (shape without the batch axis, dtype)
+    obs_spec: dict  # "images" and "states": name -> (shape without the batch axis, dtype)
 
     def get_action_and_runtime_state(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
         """Actions for a batch of observations, and the runtime state of how they were drawn."""
@@ -620,8 +619,11 @@ class BaseTorchPolicy(nn.Module):
         return (self.action_horizon, self.action_dim)
 
     def as_tensors(self, obs: dict) -> dict:
-        """A batch of observations, {key: array [n, ...]}, as tensors on the policy's device."""
-        return {key: torch.from_numpy(array).to(self.device) for key, array in obs.items()}
+        """A batch of observations with its images and states as tensors on the policy's device;
+        its text stays numpy's str: torch has no tensor of text."""
+        tensors = map_arrays(lambda array: torch.from_numpy(array).to(self.device),
+                             {"images": obs["images"], "states": obs["states"]})
+        return {**tensors, "text": obs["text"]}
 
 
 # ===== 6. Algorithms: the hooks the server loop calls, and the smallest algorithm =====
@@ -1349,24 +1351,42 @@ def _rebuilt(tree, arrays):
 # ===== 9. Rows: a message's arrays, batched along axis 0, cut into each environment's rows =====
 # PlugRL page: "sliced per environment" (derive_train_state's result, and every runtime state).
 
+GROUPS = ("images", "states")  # what a policy reads by name; text it gets as it comes
+
+
+def observation(n: int, states: dict | None = None, images: dict | None = None, text=None) -> dict:
+    """PlugRL's observation of n environments: images (camera -> uint8 [n, h, w, c]), states
+    (name -> numbers [n, ...]) and text ([n] str, "" where an environment has none)."""
+    return {"images": images or {}, "states": states or {},
+            "text": np.full(n, "") if text is None else np.asarray(text, str)}
+
+
 def obs_spec_of(spec: dict) -> dict:
-    """An obs_spec written one way, {key: (shape, np.dtype)}, from any of its spellings: (shape,
-    dtype) or [shape, dtype] (config.json) or the metadata's {"shape": ..., "dtype": ...}. "<f4",
-    "float32" and np.float32 are one dtype; [3] and (3,) one shape."""
-    pairs = {key: (entry["shape"], entry["dtype"]) if isinstance(entry, dict) else entry
-             for key, entry in spec.items()}
-    return {key: (tuple(int(size) for size in shape), np.dtype(dtype))
-            for key, (shape, dtype) in pairs.items()}
+    """An obs_spec written one way, {"images": {name: (shape, np.dtype)}, "states": {...}}, from
+    any of its spellings: (shape, dtype) or [shape, dtype] (config.json) or the metadata's
+    {"shape": ..., "dtype": ...}. "<f4", "float32" and np.float32 are one dtype; [3] and (3,) one
+    shape; a group left out is empty. The flat form of old, {"state": ...}, is one line."""
+    if not (isinstance(spec, dict) and set(spec) <= set(GROUPS)):
+        raise UsageError(f"obs_spec {spec} is flat: PlugRL's observation groups its keys, "
+                         f"{{'states': {spec}}} (uint8 [h, w, c] cameras under 'images')")
+    pairs = {group: {key: (entry["shape"], entry["dtype"]) if isinstance(entry, dict) else entry
+                     for key, entry in spec.get(group, {}).items()} for group in GROUPS}
+    return {group: {key: (tuple(int(size) for size in shape), np.dtype(dtype))
+                    for key, (shape, dtype) in pairs[group].items()} for group in GROUPS}
 
 
 def zeros_of(spec: dict, n: int) -> dict:
-    """n rows of zeros for every key of an obs_spec: {key: [n, *shape]}, each in its dtype."""
-    return {key: np.zeros((n, *shape), dtype) for key, (shape, dtype) in obs_spec_of(spec).items()}
+    """n rows of zeros for every key of an obs_spec: {group: {key: [n, *shape]}}, each in its
+    dtype. No text: a buffer keeps what the policy reads by name."""
+    return {group: {key: np.zeros((n, *shape), dtype) for key, (shape, dtype) in keys.items()}
+            for group, keys in obs_spec_of(spec).items()}
 
 
 def obs_spec_as_json(spec: dict) -> dict:
-    """An obs_spec as --policy.obs-spec and config.json spell it: key -> [[3], "float32"]."""
-    return {key: [list(shape), dtype.name] for key, (shape, dtype) in obs_spec_of(spec).items()}
+    """An obs_spec as --policy.obs-spec and config.json spell it: {"states": {key: [[3],
+    "float32"]}}, a group without keys left out."""
+    return {group: {key: [list(shape), dtype.name] for key, (shape, dtype) in keys.items()}
+            for group, keys in obs_spec_of(spec).items() if keys}
 
 
 def map_arrays(function, tree):
@@ -1388,6 +1408,14 @@ def put_rows(tree, rows, values) -> None:
             put_rows(tree[key], rows, values[key])
     else:
         tree[rows] = values
+
+
+def join_rows(trees: list, join=np.concatenate):
+    """The arrays of nested dicts of one layout, each joined by join: along axis 0 by default
+    (a text array to the widest)."""
+    if isinstance(trees[0], dict):
+        return {key: join_rows([tree[key] for tree in trees], join) for key in trees[0]}
+    return join(trees)
 
 
 def split_rows(tree, n: int) -> list:
@@ -1533,26 +1561,10 @@ register_algo("pg")(PG)
 # ===== 11. Built-in policies: dummy-policy (tanh-Gaussian) and categorical-policy (choices) =====
 # PlugRL page: the dummy-policy of its smoke test, registered with register_policy(_config).
 
-def image_layout(shape: tuple, dtype) -> str | None:
-    """How a uint8 observation of 2 or 3 axes holds a picture: "HW" (one channel), else "HWC" or
-    "CHW": the channels are the smaller of its first and last sizes ([3, 64, 64] is CHW; a tie,
-    HWC). None for any other observation. ObsEncoder convolves an image; GymEnv names a lone one
-    "image"."""
-    if np.dtype(dtype) != np.uint8 or len(shape) not in (2, 3):
-        return None
-    return "HW" if len(shape) == 2 else "CHW" if shape[0] < shape[2] else "HWC"
-
-
-def channels_first(pixels: torch.Tensor, layout: str) -> torch.Tensor:
-    """Images [B, *shape] of an image_layout as a convolution wants them: [B, C, H, W]."""
-    if layout == "HW":
-        return pixels[:, None]  # one channel
-    return pixels.permute(0, 3, 1, 2) if layout == "HWC" else pixels
-
-
-def image_encoder(shape: tuple, layout: str, features: int) -> nn.Sequential:
-    """[B, C, H, W] in [0, 1] -> [B, features]: two 3x3 convolutions of stride 2, a linear layer."""
-    channels, height, width = channels_first(torch.empty(1, *shape), layout).shape[1:]
+def image_encoder(shape: tuple, features: int) -> nn.Sequential:
+    """[B, C, H, W] in [0, 1] -> [B, features]: two 3x3 convolutions of stride 2, a linear layer.
+    shape: the camera's own, [h, w, c]."""
+    height, width, channels = shape
     size = 32 * math.ceil(height / 4) * math.ceil(width / 4)  # each convolution halves, rounding up
     return nn.Sequential(nn.Conv2d(channels, 16, 3, stride=2, padding=1), nn.ReLU(),
                          nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
@@ -1560,33 +1572,33 @@ def image_encoder(shape: tuple, layout: str, features: int) -> nn.Sequential:
 
 
 class ObsEncoder(nn.Module):
-    """Every key of an observation joined in one feature vector [B, features], in sorted key order
-    (so the spelling of obs_spec never changes the network): a flat key flattened and cast to
-    float32, an image (uint8, image_layout's) scaled to [0, 1] and through convolutions of its
-    own. Without images it has no parameters: a policy's MLP on "state" alone is the MLP it was."""
+    """The images and states an obs_spec names, in one feature vector [B, features]: a camera
+    (uint8 [h, w, c]) scaled to [0, 1] and through convolutions of its own, a state flattened and
+    cast to float32; images first, then states, each in sorted name order (so the spelling of
+    obs_spec never changes the network). Without images it has no parameters: a policy's MLP on
+    one state is the MLP it was. Keys it is not given, and text, it never reads."""
 
     def __init__(self, obs_spec: dict, image_features: int = 64):
         super().__init__()
-        self.obs_spec = dict(sorted(obs_spec_of(obs_spec).items()))
-        layouts = {key: image_layout(*spec) for key, spec in self.obs_spec.items()}
-        self.layouts = {key: layout for key, layout in layouts.items() if layout is not None}
+        spec = obs_spec_of(obs_spec)
+        self.cameras, self.states = sorted(spec["images"]), sorted(spec["states"])
+        for key, (shape, dtype) in spec["images"].items():
+            if dtype != np.uint8 or len(shape) != 3:
+                raise UsageError(f"image {key!r} is {dtype} {list(shape)}: a camera is uint8 "
+                                 "[h, w, c]; other numbers go under 'states'")
         # A list, not a ModuleDict: a key of a nested Gymnasium Dict ("outer.inner") has a dot.
-        self.images = nn.ModuleList(image_encoder(self.obs_spec[key][0], layout, image_features)
-                                    for key, layout in self.layouts.items())
-        self.features = sum(image_features if key in self.layouts else math.prod(shape)
-                            for key, (shape, _) in self.obs_spec.items())
+        self.images = nn.ModuleList(image_encoder(spec["images"][key][0], image_features)
+                                    for key in self.cameras)
+        self.features = image_features * len(self.cameras) + sum(
+            math.prod(spec["states"][key][0]) for key in self.states)
 
     def forward(self, obs: dict) -> torch.Tensor:
-        """The features [B, features] of tensors {key: [B, ...]}."""
-        encoders = dict(zip(self.layouts, self.images))
-        parts = []
-        for key in self.obs_spec:
-            if key in encoders:
-                pixels = channels_first(obs[key].float() / 255, self.layouts[key])  # in [0, 1]
-                parts.append(encoders[key](pixels))
-            else:
-                value = obs[key]  # [B, ...], or [B] for a key of shape ()
-                parts.append((value.flatten(1) if value.dim() > 1 else value[:, None]).float())
+        """The features [B, features] of tensors {"images": {key: [B, h, w, c]}, "states": ...}."""
+        parts = [encoder(obs["images"][key].permute(0, 3, 1, 2).float() / 255)  # [B, c, h, w]
+                 for key, encoder in zip(self.cameras, self.images)]
+        for key in self.states:
+            value = obs["states"][key]  # [B, ...], or [B] for a key of shape ()
+            parts.append((value.flatten(1) if value.dim() > 1 else value[:, None]).float())
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # cat would copy one
 
 
@@ -1595,8 +1607,8 @@ class ObsEncoder(nn.Module):
 class DummyPolicyConfig:
     """Sizes of dummy-policy; the defaults fit dummy-v1 and pendulum-v1 (3 numbers in, 1 out)."""
 
-    obs_spec: dict = dataclasses.field(  # key -> [shape, dtype] it reads (JSON on the command line)
-        default_factory=lambda: {"state": [[3], "float32"]})
+    obs_spec: dict = dataclasses.field(  # group -> name -> [shape, dtype] it reads (JSON)
+        default_factory=lambda: {"states": {"state": [[3], "float32"]}})
     action_dim: int = 1  # numbers in one action, each in [-1, 1]
     action_horizon: int = 1  # actions per decision: a chunk of H for MultiAction
     hidden_size: int = 256  # the width of both hidden layers
@@ -1663,13 +1675,24 @@ class DummyPolicy(BaseTorchPolicy):
                 "sample": np.zeros((n, size), np.float32), "log_prob": np.zeros(n, np.float32)}
 
 
+@register_policy_config("dummy-policy", "plugrl-dummy-v1")
+@dataclasses.dataclass
+class PlugRLDummyPolicyConfig(DummyPolicyConfig):
+    """Sized for what PlugRL's own dummy-v1 client sends: two states (float64 on the wire: cast
+    on receipt), two cameras this policy does not read, and text; 7 numbers in an action."""
+
+    obs_spec: dict = dataclasses.field(default_factory=lambda: {"states": {
+        "robot_state": [[10], "float32"], "joint_angles": [[5], "float32"]}})
+    action_dim: int = 7
+
+
 @register_policy_config("categorical-policy")
 @dataclasses.dataclass
 class CategoricalPolicyConfig:
     """Sizes of categorical-policy (discrete actions); the defaults fit cartpole-v1."""
 
-    obs_spec: dict = dataclasses.field(  # key -> [shape, dtype] it reads (JSON on the command line)
-        default_factory=lambda: {"state": [[4], "float32"]})
+    obs_spec: dict = dataclasses.field(  # group -> name -> [shape, dtype] it reads (JSON)
+        default_factory=lambda: {"states": {"state": [[4], "float32"]}})
     num_actions: int = 2  # choices per step
     hidden_size: int = 64  # the width of both hidden layers
 
@@ -2513,8 +2536,9 @@ def metadata_of(policy: BaseTorchPolicy, obs_spec: dict, names: tuple[str, str])
     what it acts, for a client to check."""
     return {"message_type": "metadata", "protocol_version": PROTOCOL_VERSION,
             "policy": names[0], "algorithm": names[1],
-            "obs_spec": {key: {"shape": list(shape), "dtype": dtype.str}
-                         for key, (shape, dtype) in obs_spec.items()},
+            "obs_spec": {group: {key: {"shape": list(shape), "dtype": dtype.str}
+                                 for key, (shape, dtype) in keys.items()}
+                         for group, keys in obs_spec.items()},
             "action_dim": policy.action_dim, "num_actions": policy.num_actions,
             "action_horizon": policy.action_horizon}
 
@@ -2555,7 +2579,7 @@ def check_message(message: dict, obs_spec: dict) -> tuple[str, list]:
     if len(set(env_ids)) != n or min(env_ids, default=0) < 0:
         raise ProtocolError(f"{kind}.env_indices must be distinct and non-negative; got "
                             f"{str(env_ids)[:60]}", "send each environment once per message")
-    check_obs(message.get("obs", MISSING), obs_spec, n, f"{kind}.obs")
+    message["obs"] = check_obs(message.get("obs", MISSING), obs_spec, n, f"{kind}.obs")
     if kind == "infer":
         return kind, env_ids
     reward = message.get("reward", MISSING)
@@ -2589,19 +2613,32 @@ def check_message(message: dict, obs_spec: dict) -> tuple[str, list]:
     return kind, env_ids
 
 
-def check_obs(obs, obs_spec: dict, n: int, field: str) -> None:
-    """Observations must match the policy's obs_spec exactly, batched [n, ...], and be finite."""
-    if not (isinstance(obs, dict) and obs.keys() == obs_spec.keys()):
-        got = sorted(obs) if isinstance(obs, dict) else describe(obs)
-        raise ProtocolError(f"{field} must have the keys {sorted(obs_spec)} of obs_spec; got {got}")
-    for key, (shape, dtype) in obs_spec.items():
-        array = obs[key]
-        if not (isinstance(array, np.ndarray) and array.dtype == dtype
-                and array.shape == (n, *shape)):
-            raise mismatch(f"{field}.{key}", f"{dtype.name} {[n, *shape]}", array)
-        if dtype.kind == "f" and not np.isfinite(array).all():
-            raise ProtocolError(f"{field}.{key} holds NaN or infinity",
-                                "check the environment's observations")
+def check_obs(obs, obs_spec: dict, n: int, field: str) -> dict:
+    """PlugRL's observation of n environments: each image and state the policy reads, of its
+    shape and dtype (a float state of another width is cast to the policy's), and finite; text, a
+    <U array or a list of n str. What the policy is given: those keys, and text as a <U array.
+    Keys it does not read are left out, not refused: a client may send more than a policy reads."""
+    if not (isinstance(obs, dict) and all(isinstance(obs.get(group), dict) for group in GROUPS)):
+        raise mismatch(field, "a map of images, states and text", obs)
+    given = {}
+    for group, keys in obs_spec.items():
+        given[group] = {}
+        for key, (shape, dtype) in keys.items():
+            array = obs[group].get(key, MISSING)
+            floats = group == "states" and dtype.kind == "f"  # any width: cast below
+            if not (is_array(array, "f" if floats else dtype.kind, (n, *shape))
+                    and (floats or array.dtype == dtype)):
+                raise mismatch(f"{field}.{group}.{key}", f"{dtype.name} {[n, *shape]}", array)
+            given[group][key] = array = array.astype(dtype, copy=False)  # <f8 from PlugRL's clients
+            if dtype.kind == "f" and not np.isfinite(array).all():
+                raise ProtocolError(f"{field}.{group}.{key} holds NaN or infinity",
+                                    "check the environment's observations")
+    text = obs.get("text", MISSING)
+    if isinstance(text, list) and all(isinstance(line, str) for line in text):
+        text = np.array(text, dtype=str)  # the SPEC's other spelling (its section 3.4)
+    if not (isinstance(text, np.ndarray) and text.dtype.kind == "U" and text.shape == (n,)):
+        raise mismatch(f"{field}.text", f"str [{n}], a <U array or a list", text)
+    return {**given, "text": text}
 
 
 def _leaves(tree: dict, path: str = ""):
@@ -2702,7 +2739,7 @@ class VecEnv:
     _step(action, rows) -> (reward, terminated, success) and _observe(); see register_env.
     Keyword arguments of make_env (env-kwargs) reach its constructor after num_envs and seed."""
 
-    obs_spec = {"state": ((3,), "float32")}  # key -> (shape, dtype): what _observe() returns
+    obs_spec = {"states": {"state": ((3,), "float32")}}  # what _observe() returns, and text
     action_dim = 1
     num_actions = None  # None: continuous actions in [-1, 1]; else int64 choices 0..num_actions-1
     max_steps = 10**9  # truncation after this many physical steps
@@ -2766,7 +2803,7 @@ class DummyEnv(VecEnv):
 
     def _observe(self):
         state = np.stack([self.x, self.target, self.target - self.x], axis=1)
-        return {"state": state.astype(np.float32)}
+        return observation(self.num_envs, states={"state": state.astype(np.float32)})
 
 
 def action_space(action_dim: int, num_actions: int | None) -> str:
@@ -2824,7 +2861,7 @@ class TrackingController(Controller):
         self.position_velocity, self.scale, self.kp, self.kd = position_velocity, scale, kp, kd
 
     def __call__(self, obs, decision, state):
-        position, velocity = self.position_velocity(obs["state"])
+        position, velocity = self.position_velocity(obs["states"]["state"])
         # The error wrapped to [-π, π): the pendulum's short way round (dummy-v1's never wraps).
         error = (self.scale * decision[:, 0] - position + np.pi) % (2 * np.pi) - np.pi
         return np.clip(self.kp * error - self.kd * velocity, -1, 1)[:, None], state
@@ -2905,7 +2942,7 @@ class MultiAction:
         obs = self.obs  # the newest observation stays where the next decision starts
         if self.stack_observations:  # as many observations as stacked rewards, the last repeated
             seen += [seen[-1]] * (width - len(seen))
-            obs = {key: np.stack([o[key] for o in seen], axis=1) for key in obs}
+            obs = join_rows(seen, functools.partial(np.stack, axis=1))
         return obs, reward, terminated, truncated, {"episode": episode, "executed_steps": executed}
 
 
@@ -2964,16 +3001,20 @@ def check_metadata(meta: dict, executor, closed_loop: bool) -> None:
 def misfit(meta: dict, env, decision_dim: int | None = None) -> str | None:
     """Why the policy of a server's metadata cannot act in env (a VecEnv, or its class), with the
     flag that would fix it; None if it can. decision_dim: a closed loop's, in place of env's."""
-    reads = obs_spec_of(meta["obs_spec"])
-    gives = obs_spec_of(env.obs_spec)
-    if reads != gives:
-        key = min(key for key in reads.keys() | gives.keys() if reads.get(key) != gives.get(key))
-        read, given = (f"{spec[key][1].name} {list(spec[key][0])}" if key in spec else "nothing"
-                       for spec in (reads, gives))
-        fits = json.dumps(obs_spec_as_json(env.obs_spec))
-        return (f"observation {key!r}: the policy reads {read}, this environment gives {given} "
-                f"(serve with --local-env to size the policy from it, or --policy.obs-spec "
-                f"'{fits}')")
+    try:
+        reads, gives = obs_spec_of(meta["obs_spec"]), obs_spec_of(env.obs_spec)
+    except UsageError as error:  # an environment of the flat form fits no policy
+        return str(error)
+    for group, key in ((group, key) for group in GROUPS for key in sorted(reads[group])):
+        (shape, dtype), given = reads[group][key], gives[group].get(key)
+        floats = group == "states" and dtype.kind == "f"  # the server casts one to the other
+        if given is None or given[0] != shape or not (
+                given[1] == dtype or floats and given[1].kind == "f"):
+            gave = "nothing" if given is None else f"{given[1].name} {list(given[0])}"
+            fits = json.dumps(obs_spec_as_json(env.obs_spec))
+            return (f"observation {group}.{key}: the policy reads {dtype.name} {list(shape)}, this "
+                    f"environment gives {gave} (serve with --local-env to size the policy from "
+                    f"it, or --policy.obs-spec '{fits}')")
     theirs = action_space(meta["action_dim"], meta.get("num_actions"))
     needed = (action_space(decision_dim, None) if decision_dim
               else action_space(env.action_dim, env.num_actions))
@@ -3106,7 +3147,7 @@ class PendulumEnv(VecEnv):
 
     def _observe(self):
         state = np.stack([np.cos(self.theta), np.sin(self.theta), self.theta_dot], axis=1)
-        return {"state": state.astype(np.float32)}
+        return observation(self.num_envs, states={"state": state.astype(np.float32)})
 
 
 # ===== [cartpole] cartpole-v1: Gymnasium's CartPole-v1 in numpy, and the policy's variant =====
@@ -3122,7 +3163,7 @@ class CartPolePolicyConfig(CategoricalPolicyConfig):
 class CartPoleEnv(VecEnv):
     """cartpole-v1: Gymnasium's CartPole-v1 in numpy. obs [x, x', θ, θ']; action 0 pushes left."""
 
-    obs_spec, num_actions = {"state": ((4,), "float32")}, 2
+    obs_spec, num_actions = {"states": {"state": ((4,), "float32")}}, 2
     max_steps = 500  # lasting this long is a success; random actions last about 22 steps
 
     def __init__(self, num_envs, seed=None):
@@ -3151,7 +3192,7 @@ class CartPoleEnv(VecEnv):
         return np.ones(len(rows)), fallen, ~fallen
 
     def _observe(self):
-        return {"state": self.state.astype(np.float32)}
+        return observation(self.num_envs, states={"state": self.state.astype(np.float32)})
 
 
 # ===== [gym] gym:ENV_ID: a Gymnasium environment with Box or Discrete actions =====
@@ -3194,12 +3235,20 @@ class GymEnv(VecEnv):
                              "plugrl_min runs Box and Discrete ones")
         self.keys = gym_observation_keys(env_id, self.envs[0].observation_space)
         # A Discrete becomes a one-hot float32 [n]: a network reads n numbers, not one index.
-        self.one_hot = {key: int(leaf.start) for key, (_, leaf) in self.keys.items()
+        self.one_hot = {key: int(leaf.start) for key, (_, leaf, _) in self.keys.items()
                         if isinstance(leaf, gymnasium.spaces.Discrete)}  # key -> its first value
-        self.obs_spec = {key: ((int(leaf.n),), "float32") if key in self.one_hot
-                         else (tuple(leaf.shape), leaf.dtype.name)  # a Box's own (float64 too)
-                         for key, (_, leaf) in self.keys.items()}
+        self.chw = {key for key, (_, leaf, group) in self.keys.items()
+                    if group == "images" and image_layout(leaf.shape) == "CHW"}
+        self.obs_spec = {"images": {}, "states": {}}
+        for key, (_, leaf, group) in self.keys.items():
+            if group == "images":  # [h, w, c], a channel-first Box's too (_store moves its axes)
+                h, w, c = leaf.shape[1:] + leaf.shape[:1] if key in self.chw else leaf.shape
+                self.obs_spec[group][key] = ((h, w, c), "uint8")
+            elif group == "states":  # a Box's own dtype (float64 too)
+                self.obs_spec[group][key] = (((int(leaf.n),), "float32") if key in self.one_hot
+                                             else (tuple(leaf.shape), leaf.dtype.name))
         self.last = zeros_of(self.obs_spec, num_envs)  # each one's last observation
+        self.text = [""] * num_envs  # its last text, from a Text entry
         self.gym_truncated = np.zeros(num_envs, bool)  # what step() said; _truncated reads it
         self.max_steps = self.envs[0].spec.max_episode_steps or 10**9  # Gymnasium's flag truncates
         super().__init__(num_envs, seed)
@@ -3235,18 +3284,21 @@ class GymEnv(VecEnv):
             env.close()
 
     def _store(self, i, obs) -> None:
-        for key, (path, _) in self.keys.items():
+        for key, (path, _, group) in self.keys.items():
             value = obs
             for name in path:  # into a Dict, and into a Dict in it
                 value = value[name]
-            if key in self.one_hot:
-                self.last[key][i] = 0
-                self.last[key][i, int(value) - self.one_hot[key]] = 1
-            else:
-                self.last[key][i] = value
+            if group == "text":
+                self.text[i] = value
+            elif key in self.one_hot:
+                self.last[group][key][i] = 0
+                self.last[group][key][i, int(value) - self.one_hot[key]] = 1
+            else:  # a channel-first camera as [h, w, c]
+                self.last[group][key][i] = np.moveaxis(value, 0, -1) if key in self.chw else value
 
     def _observe(self):
-        return {key: array.copy() for key, array in self.last.items()}
+        copied = map_arrays(np.copy, self.last)
+        return observation(self.num_envs, copied["states"], copied["images"], list(self.text))
 
 
 def record_video(env: VecEnv, folder: str) -> None:
@@ -3276,14 +3328,20 @@ def gym_entry_module(env_id: str) -> str:
     return getattr(entry_point, "__module__", "")
 
 
+def image_layout(shape: tuple) -> str:
+    """How a uint8 Box of 3 axes holds a picture: "CHW" or "HWC". The channels are the smaller
+    of its first and last sizes ([3, 64, 64] is channel-first; a tie, [h, w, c])."""
+    return "CHW" if shape[0] < shape[2] else "HWC"
+
+
 def gym_observation_keys(env_id: str, space) -> dict:
-    """key -> (path into a Gymnasium observation, its Box or Discrete space). A lone Box is the
-    key "image" if an image (image_layout's), else "state"; a lone Discrete is "state"; a Dict
-    gives one key per entry, a Dict in it "outer.inner". Anything else is refused in one line."""
+    """key -> (path into a Gymnasium observation, its space, its group): a uint8 Box of 3 axes is
+    a camera ("images"), any other Box and a Discrete a state ("states"), a Text the "text". A
+    lone space is the key "image", "state" or "text"; a Dict gives one key per entry, a Dict in it
+    "outer.inner". Anything else, or a second Text, is refused in one line."""
     from gymnasium import spaces
     if not isinstance(space, spaces.Dict):
-        lone = isinstance(space, spaces.Box) and image_layout(space.shape, space.dtype) is not None
-        keys = {"image" if lone else "state": ((), space)}
+        keys = {"image" if _group_of(space) == "images" else "state": ((), space)}
     else:
         keys = {}
         for name, entry in space.spaces.items():
@@ -3292,12 +3350,23 @@ def gym_observation_keys(env_id: str, space) -> dict:
                 path = (name,) if inner_name is None else (name, inner_name)
                 keys[".".join(path)] = (path, leaf)
     for key, (path, leaf) in keys.items():
-        if not isinstance(leaf, (spaces.Box, spaces.Discrete)):
+        if not isinstance(leaf, (spaces.Box, spaces.Discrete, spaces.Text)):
             where = f" (its entry {key!r})" if path else ""
             raise UsageError(f"gym:{env_id} has a {type(leaf).__name__} observation space"
-                             f"{where}; plugrl_min maps Box, Discrete and Dict (nested one level) "
-                             "ones: write a VecEnv that gives it as arrays and register_env it")
-    return keys
+                             f"{where}; plugrl_min maps Box, Discrete, Text and Dict (nested one "
+                             "level) ones: write a VecEnv that gives it as arrays and "
+                             "register_env it")
+    if [_group_of(leaf) for _, leaf in keys.values()].count("text") > 1:
+        raise UsageError(f"gym:{env_id} has two Text entries; an observation has one text")
+    return {key: (path, leaf, _group_of(leaf)) for key, (path, leaf) in keys.items()}
+
+
+def _group_of(leaf) -> str:
+    from gymnasium import spaces
+    if isinstance(leaf, spaces.Text):
+        return "text"
+    camera = isinstance(leaf, spaces.Box) and leaf.dtype == np.uint8 and len(leaf.shape) == 3
+    return "images" if camera else "states"
 
 
 # ===== [eval] `python plugrl_min.py eval RUN_DIR`: a trained policy, evaluated and watched =====
@@ -3741,7 +3810,14 @@ def known_environment(args: argparse.Namespace, words: list[str]) -> tuple[str, 
     else the algorithm's example_env; None if neither. An unknown one is a usage error."""
     example = getattr(_ALGOS.get(words[2]), "example_env", None)
     env_id = args.local_env or (example if example in ENVIRONMENTS else None)  # a block cut
-    return None if env_id is None else (env_id, make_env(env_id, kwargs=args.env_kwargs))
+    if env_id is None:
+        return None
+    env = make_env(env_id, kwargs=args.env_kwargs)
+    try:  # the flat form of old, said here, where the environment has a name
+        obs_spec_of(env.obs_spec)
+    except UsageError as error:
+        raise UsageError(f"environment {env_id}: {error}") from None
+    return env_id, env
 
 
 SIZED_FROM_ENV = ("obs_spec", "action_dim", "num_actions")  # of a built-in policy's config

@@ -103,13 +103,14 @@ def td_target(reward, done, next_q, next_log_prob, alpha, gamma: float) -> torch
 
 class ReplayBuffer:
     """A ring of (obs, action, reward, next_obs, done) frames; sample() draws a uniform batch.
-    An observation is a dict of arrays, every key kept in its dtype: an image stays uint8."""
+    An observation's images and states, each kept in its dtype: an image stays uint8."""
 
     def __init__(self, capacity: int, obs_spec: dict, action_shape: tuple, action_dtype):
         self.capacity = capacity
         self.size = 0
         self.next = 0
-        frame = [((2, *shape), dtype) for shape, dtype in obs_spec.values()]  # obs, next_obs
+        frame = [((2, *shape), dtype) for keys in obs_spec.values()  # obs, next_obs
+                 for shape, dtype in keys.values()]
         frame += [(action_shape, action_dtype), ((2,), np.float32)]  # reward, done
         needed = capacity * sum(math.prod(shape) * np.dtype(dtype).itemsize
                                 for shape, dtype in frame)
@@ -203,7 +204,7 @@ class SAC(BaseAlgorithm):
     def infer(self, obs: dict) -> tuple[np.ndarray, dict]:
         """Uniform random actions in [-1, 1] until learning_starts frames are stored, then pi."""
         if self.global_step < self.config.learning_starts:
-            n = len(next(iter(obs.values())))  # every key has a row per environment
+            n = len(obs["text"])  # a str per environment (images may have no key)
             action = (torch.rand((n, *self.policy.action_shape)) * 2 - 1).numpy()
             return action, {"action": action}
         return self.policy.get_action_and_runtime_state(obs)

@@ -63,8 +63,8 @@ sys.path.insert(0, HERE)
 import plugrl_min  # noqa: E402
 import sac_example  # noqa: E402
 from plugrl_min import (Checkpoint, ClosedLoopMultiAction, Controller, MultiAction, ProtocolError,  # noqa: E402
-                        load_newest_checkpoint, make_algo, make_env, make_policy, pack_message,
-                        save_checkpoint, unpack_message)
+                        load_newest_checkpoint, make_algo, make_env, make_policy, observation,
+                        pack_message, save_checkpoint, unpack_message)
 
 SOURCE = os.path.join(HERE, "plugrl_min.py")
 
@@ -352,9 +352,20 @@ def dummy_algo(policy, steps):
     return make_algo("dummy", policy, plugrl_min.DummyAlgoConfig(global_steps=steps))
 
 
+def row_obs(state) -> dict:
+    """One environment's observation as feedback() is given it: its row of each array, its text a str."""
+    return {"images": {}, "states": {"state": state}, "text": ""}
+
+
+def obs_tensors(obs: dict) -> dict:
+    """An observation's images and states as tensors, as a policy's forward() takes them."""
+    return plugrl_min.map_arrays(torch.from_numpy, {"images": obs["images"], "states": obs["states"]})
+
+
 def obs_of(tags) -> dict:
     """Observations [n, 3] whose first column tags each environment, so the algorithm can tell them apart."""
-    return {"state": np.array([[tag, 0.0, 0.0] for tag in tags], np.float32).reshape(len(tags), 3)}
+    state = np.array([[tag, 0.0, 0.0] for tag in tags], np.float32).reshape(len(tags), 3)
+    return plugrl_min.observation(len(tags), states={"state": state})
 
 
 class Client:
@@ -527,7 +538,7 @@ class Probe(plugrl_min.BaseAlgorithm):
             raise TimeoutError("the test never released the learn")
 
     def infer(self, obs):
-        tags = obs["state"][:, 0].copy()
+        tags = obs["states"]["state"][:, 0].copy()
         self.events.append(("infer", sorted(tags.tolist())))
         return tags.reshape(-1, 1, 1), {"tag": tags, "learns": np.full(len(tags), self.learns)}
 
@@ -671,7 +682,7 @@ def feedback_message(env_ids=(0,), tags=None, terminated=False, episode=None, **
 def metadata_message(**fields) -> dict:
     """The metadata a server sends first, dummy-policy's (obs [3], one continuous action); fields replace."""
     return {"message_type": "metadata", "protocol_version": 1, "action_dim": 1, "num_actions": None,
-            "action_horizon": 1, "obs_spec": {"state": {"shape": [3], "dtype": "<f4"}}, **fields}
+            "action_horizon": 1, "obs_spec": {"images": {}, "states": {"state": {"shape": [3], "dtype": "<f4"}}}, **fields}
 
 
 def action_message(env_ids, action) -> dict:
@@ -944,7 +955,7 @@ def _run_over_the_wire(tmp_path, steps, num_envs, episodes, mode="sum", env_id="
 
     def counting_infer(obs):
         counts["infer"] += 1
-        counts["rows"] += len(obs["state"])
+        counts["rows"] += len(obs["states"]["state"])
         return original_infer(obs)
 
     def keeping_feedback(**frame):
@@ -1106,7 +1117,7 @@ class OneStepEpisodes(plugrl_min.VecEnv):
         return np.ones(len(rows)), np.zeros(len(rows), bool), np.zeros(len(rows), bool)
 
     def _observe(self):
-        return {"state": np.zeros((self.num_envs, 3), np.float32)}
+        return observation(self.num_envs, states={"state": np.zeros((self.num_envs, 3), np.float32)})
 
 
 class ScriptedServer:
@@ -1236,7 +1247,7 @@ def test_feedback_gets_the_obs_it_acted_on_next_obs_and_reward(tmp_path):
 
     run_server(algo, tmp_path, script)
     (frame,) = algo.frames
-    assert frame["obs"]["state"][0] == 1 and frame["next_obs"]["state"][0] == 2 and frame["reward"] == 0.25
+    assert frame["obs"]["states"]["state"][0] == 1 and frame["next_obs"]["states"]["state"][0] == 2 and frame["reward"] == 0.25
 
 
 # --- Routing: prev_node chains each environment's stored frames -----------------------------------
@@ -1558,7 +1569,7 @@ def test_clients_that_disconnect_at_every_point_lose_and_duplicate_nothing(tmp_p
     assert algo.global_step == len(algo.frames) == n
     assert good_fed == n - left_frames
     assert stored == {1.0: good_fed, **{float(tag): fed for tag, fed in sent.items() if fed}}  # none twice
-    assert all(frame["obs"]["state"][0] == frame["next_obs"]["state"][0] for frame in algo.frames)  # none half
+    assert all(frame["obs"]["states"]["state"][0] == frame["next_obs"]["states"]["state"][0] for frame in algo.frames)  # none half
 
 
 @wire
@@ -1776,7 +1787,7 @@ def test_the_listening_line_is_a_url_a_tool_can_read(tmp_path, capsys, host, url
 
 class RefusesAnEmptyBatch(Probe):
     def infer(self, obs):
-        assert len(obs["state"]) > 0, "infer called for no environment"
+        assert len(obs["states"]["state"]) > 0, "infer called for no environment"
         return super().infer(obs)
 
 
@@ -2763,9 +2774,9 @@ def feed_pg(algo, state, *, reward=0.0, next_state=None, terminated=False, trunc
     """One frame into pg, as the server would hand it over; returns the node pg gives back."""
     next_state = state if next_state is None else next_state
     node, _, _ = algo.feedback(
-        obs={"state": np.array(state, np.float32)}, runtime_state=None,
+        obs=row_obs(np.array(state, np.float32)), runtime_state=None,
         train_state={"sample": np.zeros(1, np.float32)}, terminated=terminated, truncated=truncated,
-        next_obs={"state": np.array(next_state, np.float32)}, reward=reward, info={},
+        next_obs=row_obs(np.array(next_state, np.float32)), reward=reward, info={},
         next_terminated=next_terminated, next_truncated=next_truncated, prev_node=prev_node)
     return node
 
@@ -2774,7 +2785,7 @@ class FirstComponent(nn.Module):
     """A stand-in value network: V(s) = s[0], so advantages can be worked out by hand."""
 
     def forward(self, obs):
-        return obs["state"][:, :1]
+        return obs["states"]["state"][:, :1]
 
 
 @pytest.mark.parametrize("flag, value, least", [("frames-per-learn", 1, 2), ("value-epochs", 0, 1),
@@ -2793,7 +2804,7 @@ def test_pg_bootstraps_a_truncated_segment_with_the_value_of_its_last_observatio
     feed_pg(algo, [2, 0, 0], reward=1.0, next_state=[4, 0, 0], next_truncated=True, prev_node=node)
     feed_pg(algo, [3, 0, 0], reward=1.0, next_state=[8, 0, 0], next_terminated=True)  # env B
     assert algo.batch["successor"][:3].tolist() == [1, -1, -1]
-    assert algo.batch["obs"]["state"][:3, 0].tolist() == [1, 2, 3]  # stored per observation key
+    assert algo.batch["obs"]["states"]["state"][:3, 0].tolist() == [1, 2, 3]  # stored per observation key
     advantage, value = algo.advantages(plugrl_min.map_arrays(lambda array: torch.from_numpy(array[:3]), algo.batch))
     # truncated: 1 + 0.5 * V(4) - V(2) = 1; its predecessor: 1 + 0.5 * V(2) - V(1) + 0.5 * 1 = 1.5
     # terminated: 1 - V(3) = -2 (no bootstrap from V(8))
@@ -2847,7 +2858,7 @@ class KnownValue(nn.Module):
         self.zero = nn.Parameter(torch.zeros(1))
 
     def forward(self, obs):
-        return obs["state"][:, :1] + self.zero
+        return obs["states"]["state"][:, :1] + self.zero
 
 
 def pg_chain_and_a_terminated_frame(**config):
@@ -2877,7 +2888,7 @@ def test_pg_policy_loss_is_minus_log_prob_times_normalised_advantage_minus_the_e
     advantage = torch.tensor([1.5, -4.0, 2.0, 2.0])  # as worked out above
     normalised = (advantage - advantage.mean()) / (advantage.std() + 1e-8)
     with torch.no_grad():
-        distribution = algo.policy({"state": torch.from_numpy(algo.batch["obs"]["state"][:4])})
+        distribution = algo.policy(obs_tensors(plugrl_min.slice_rows(algo.batch["obs"], slice(0, 4))))
         log_prob = distribution.log_prob(torch.from_numpy(algo.batch["sample"][:4]))
         expected = -(log_prob * normalised).mean() - 0.1 * distribution.entropy().mean()
     _, log = algo.learn_impl()
@@ -2889,7 +2900,7 @@ def test_pg_with_no_advantage_to_follow_raises_the_policys_entropy():
     algo.train_value = KnownValue()
     for x in (1.0, 2.0, 3.0, 4.0):  # each a terminated frame whose reward is V(s): no advantage
         feed_pg(algo, [x, 0, 0], reward=x, next_terminated=True)
-    states = {"state": torch.from_numpy(algo.batch["obs"]["state"][:4].copy())}
+    states = obs_tensors(plugrl_min.slice_rows(algo.batch["obs"], slice(0, 4)))
     before = algo.policy(states).entropy().mean().item()
     algo.learn_impl()
     assert algo.policy(states).entropy().mean().item() > before  # only the entropy bonus pulled
@@ -3017,12 +3028,12 @@ def filled_sac(seed=0, frames=200, **overrides):
     algo.init_optimizers()
     rng = np.random.default_rng(seed)
     for _ in range(frames):
-        obs = {"state": rng.standard_normal((1, 3), dtype=np.float32)}
+        obs = observation(1, states={"state": rng.standard_normal((1, 3), dtype=np.float32)})
         action, runtime_state = algo.infer(obs)
         train_state = algo.derive_train_state(runtime_state)
-        algo.feedback(obs={"state": obs["state"][0]}, runtime_state=runtime_state,
+        algo.feedback(obs=row_obs(obs["states"]["state"][0]), runtime_state=runtime_state,
                       train_state={"action": train_state["action"][0]}, terminated=False, truncated=False,
-                      next_obs={"state": rng.standard_normal(3, dtype=np.float32)}, reward=float(rng.standard_normal()),
+                      next_obs=row_obs(rng.standard_normal(3, dtype=np.float32)), reward=float(rng.standard_normal()),
                       info={}, next_terminated=False, next_truncated=False, prev_node=(-1, ""))
         if algo.should_learn():
             algo.learn()
@@ -3051,7 +3062,7 @@ def test_sac_is_fed_a_frame_whose_action_an_older_policy_version_chose(tmp_path,
 
     async def script(port, server):
         original_feedback, original_discard = algo.feedback, algo.discard_feedback
-        algo.feedback = lambda **frame: (fed.append((float(frame["obs"]["state"][0]), server.version)),
+        algo.feedback = lambda **frame: (fed.append((float(frame["obs"]["states"]["state"][0]), server.version)),
                                          original_feedback(**frame))[1]
         algo.discard_feedback = lambda **frame: (discarded.append(frame), original_discard(**frame))[1]
         a, b = await Client.connect(port), await Client.connect(port)
@@ -3072,7 +3083,7 @@ def test_sac_is_fed_a_frame_whose_action_an_older_policy_version_chose(tmp_path,
 
 def test_sac_stores_a_stacked_reward_as_its_sum():
     algo = filled_sac(frames=0)
-    obs, action = {"state": np.zeros(3, np.float32)}, {"action": np.zeros((1, 1), np.float32)}
+    obs, action = row_obs(np.zeros(3, np.float32)), {"action": np.zeros((1, 1), np.float32)}
     algo.feedback(obs=obs, runtime_state=action, train_state=action, terminated=False, truncated=False,
                   next_obs=obs, reward=np.array([1.0, 2.0, 0.0], np.float32), info={}, next_terminated=False,
                   next_truncated=False, prev_node=(-1, ""))
@@ -3105,9 +3116,9 @@ def test_sac_example_script_help_lists_algo_flags():
 
 
 def test_twin_critic_rows_are_two_independent_mlps():
-    critic = sac_example.TwinQ(4, 32, plugrl_min.ObsEncoder({"state": [[3], "float32"]}))
+    critic = sac_example.TwinQ(4, 32, plugrl_min.ObsEncoder({"states": {"state": [[3], "float32"]}}))
     state, action = torch.randn(8, 3), torch.randn(8, 1)
-    obs = {"state": state}
+    obs = {"images": {}, "states": {"state": state}}
     expected = []
     for c in range(2):  # each critic alone, layer by layer, from its slice of the stacked weights
         x = torch.cat([state, action], dim=-1)
@@ -3123,9 +3134,9 @@ def test_twin_critic_rows_are_two_independent_mlps():
 
 def feed_sac(algo, *, next_terminated=False, next_truncated=False, info=None):
     """One frame of zeros into algo.feedback."""
-    return algo.feedback(obs={"state": np.zeros(3, np.float32)}, runtime_state=None,
+    return algo.feedback(obs=row_obs(np.zeros(3, np.float32)), runtime_state=None,
                          train_state={"action": np.zeros((1, 1), np.float32)}, terminated=False, truncated=False,
-                         next_obs={"state": np.ones(3, np.float32)}, reward=1.5, info=info or {},
+                         next_obs=row_obs(np.ones(3, np.float32)), reward=1.5, info=info or {},
                          next_terminated=next_terminated, next_truncated=next_truncated, prev_node=(-1, ""))
 
 
@@ -3144,7 +3155,7 @@ def test_termination_stops_bootstrapping_and_truncation_does_not():
     feed_sac(algo, next_truncated=True)
     feed_sac(algo, next_terminated=True)
     assert algo.buffer.done[:2].tolist() == [0.0, 1.0]
-    assert algo.buffer.reward[:2].tolist() == [1.5, 1.5] and algo.buffer.next_obs["state"][1].tolist() == [1.0, 1.0, 1.0]
+    assert algo.buffer.reward[:2].tolist() == [1.5, 1.5] and algo.buffer.next_obs["states"]["state"][1].tolist() == [1.0, 1.0, 1.0]
 
 
 def test_feedback_counts_the_frame_and_records_finished_episodes():
@@ -3168,12 +3179,13 @@ def image_sac(**config):
 
 def test_sacs_replay_buffer_keeps_every_key_in_its_dtype():
     algo = image_sac()
-    obs = {key: value[0] for key, value in image_and_state_obs(1).items()}
+    obs = plugrl_min.split_rows(image_and_state_obs(1), 1)[0]
     algo.feedback(obs=obs, runtime_state=None, train_state={"action": np.zeros((1, 1), np.float32)},
                   terminated=False, truncated=False, next_obs=obs, reward=1.0, info={}, next_terminated=False,
                   next_truncated=False, prev_node=(-1, ""))
-    assert algo.buffer.obs["image"].dtype == np.uint8 and algo.buffer.obs["image"][0].max() == 255
-    assert algo.buffer.next_obs["state"].dtype == np.float32
+    image = algo.buffer.obs["images"]["image"]
+    assert image.dtype == np.uint8 and image[0].max() == 255 and "text" not in algo.buffer.obs
+    assert algo.buffer.next_obs["states"]["state"].dtype == np.float32
 
 
 def test_sacs_replay_buffer_holds_no_more_frames_than_the_run_stores():
@@ -3191,7 +3203,7 @@ def test_sac_refuses_a_buffer_larger_than_the_memory_available_in_one_line_namin
 
 def test_infer_gives_uniform_random_actions_before_learning_starts():
     algo = make_algo("sac", make_policy("dummy-policy"))
-    action, runtime_state = algo.infer({"state": np.zeros((4000, 3), np.float32)})
+    action, runtime_state = algo.infer(observation(4000, states={"state": np.zeros((4000, 3), np.float32)}))
     assert action.shape == (4000, 1, 1) and action.dtype == np.float32
     assert np.array_equal(runtime_state["action"], action)
     assert action.min() >= -1 and action.max() <= 1
@@ -3717,7 +3729,7 @@ def test_a_feedback_packed_by_msgpack_with_openpis_hooks_gives_the_algorithm_the
     for theirs, ours in zip(stored[:N], stored[N:]):
         for key in ("reward", "next_terminated", "next_truncated"):
             assert theirs[key] == ours[key]
-        np.testing.assert_array_equal(theirs["next_obs"]["state"], ours["next_obs"]["state"])
+        np.testing.assert_array_equal(theirs["next_obs"]["states"]["state"], ours["next_obs"]["states"]["state"])
     assert [frame["reward"] for frame in stored[:N]] == [0.5, -2.25]
 
 
@@ -3919,7 +3931,7 @@ def test_a_copy_of_sac_example_under_its_own_name_is_refused_in_a_fresh_process_
 
 MY_ENV = '''
 import numpy as np
-from plugrl_min import VecEnv, register_env
+from plugrl_min import VecEnv, observation, register_env
 
 
 @register_env("my-line-v0")
@@ -3939,7 +3951,7 @@ class MyLine(VecEnv):
         return -np.abs(self.x[rows]), np.zeros(len(rows), bool), np.zeros(len(rows), bool)
 
     def _observe(self):
-        return {"state": np.stack([self.x, np.zeros_like(self.x), -self.x], axis=1).astype(np.float32)}
+        return observation(self.num_envs, states={"state": np.stack([self.x, np.zeros_like(self.x), -self.x], axis=1).astype(np.float32)})
 '''
 
 
@@ -3981,7 +3993,7 @@ SPELLED_ENV = MY_ENV.replace('"my-line-v0"', '"spelled-v0"').replace("max_steps 
     .replace("np.zeros_like(self.x), -self.x]", "*[np.zeros_like(self.x)] * 5, -self.x]")  # 7 numbers
 
 
-@pytest.mark.parametrize("spec", ['{"state": ((7,), "<f4")}', '{"state": ([7], np.float32)}'],
+@pytest.mark.parametrize("spec", ['{"states": {"state": ((7,), "<f4")}}', '{"states": {"state": ([7], np.float32)}}'],
                          ids=["dtype '<f4'", "a list shape"])
 @wire
 def test_a_plugin_environment_spelling_its_obs_spec_another_way_is_accepted_and_chosen(tmp_path, plugins_in_process,
@@ -3989,7 +4001,7 @@ def test_a_plugin_environment_spelling_its_obs_spec_another_way_is_accepted_and_
     write_plugin(tmp_path, "plugrl_test_spelled", SPELLED_ENV.replace("SPEC", spec))
     monkeypatch.setenv("PYTHONPATH", subprocess_env(tmp_path)["PYTHONPATH"])  # where the local client finds it
     status, _, err = run_main("dummy-policy", "default", "dummy", "default", "--plugin", "plugrl_test_spelled",
-                              "--policy.obs-spec", '{"state": [[7], "float32"]}', "--local-env-clients", "1", "--port", "0",
+                              "--policy.obs-spec", '{"states": {"state": [[7], "float32"]}}', "--local-env-clients", "1", "--port", "0",
                               "--algo.global-steps", "60", "--run-dir", tmp_path / "run")  # no --local-env
     assert status == 0, err
     assert " env-client spelled-v0 " in (tmp_path / "run" / "env-client-1.log").read_text()
@@ -4005,20 +4017,20 @@ def test_a_plugin_environment_spelling_its_obs_spec_another_way_is_accepted_and_
 def test_dummy_policy_keeps_the_sample_its_action_came_from_and_that_samples_log_prob():
     policy = make_policy("dummy-policy", plugrl_min.DummyPolicyConfig(action_horizon=2))
     state = np.random.default_rng(0).standard_normal((5, 3)).astype(np.float32)
-    action, runtime_state = policy.get_action_and_runtime_state({"state": state})
+    action, runtime_state = policy.get_action_and_runtime_state(observation(len(state), states={"state": state}))
     assert action.dtype == np.float32 and action.shape == (5, 2, 1)
     np.testing.assert_allclose(action.reshape(5, 2), np.tanh(runtime_state["sample"]), rtol=1e-6)
-    expected = policy({"state": torch.from_numpy(state)}).log_prob(torch.from_numpy(runtime_state["sample"]))
+    expected = policy({"images": {}, "states": {"state": torch.from_numpy(state)}}).log_prob(torch.from_numpy(runtime_state["sample"]))
     # atol: a float32 sum near 0 may differ in its last bit from the same sum taken the other way
     np.testing.assert_allclose(runtime_state["log_prob"], expected.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
 def test_categorical_policy_sends_int64_indices_n_h_1_and_keeps_its_sample_and_log_prob():
     policy = make_policy("categorical-policy", variant="cartpole")
-    action, runtime_state = policy.get_action_and_runtime_state({"state": np.zeros((5, 4), np.float32)})
+    action, runtime_state = policy.get_action_and_runtime_state(observation(5, states={"state": np.zeros((5, 4), np.float32)}))
     assert action.dtype == np.int64 and action.shape == (5, 1, 1) and set(action.ravel()) <= {0, 1}
     assert runtime_state["sample"].tolist() == action[:, 0, 0].tolist()
-    expected = policy({"state": torch.zeros(5, 4)}).log_prob(torch.from_numpy(runtime_state["sample"]))
+    expected = policy({"images": {}, "states": {"state": torch.zeros(5, 4)}}).log_prob(torch.from_numpy(runtime_state["sample"]))
     np.testing.assert_allclose(runtime_state["log_prob"], expected.detach().numpy(), rtol=1e-6, atol=1e-6)
     fake = policy.fake_runtime_state(3)
     assert {key: value.shape for key, value in fake.items()} == {"action": (3, 1, 1), "sample": (3,),
@@ -4027,20 +4039,20 @@ def test_categorical_policy_sends_int64_indices_n_h_1_and_keeps_its_sample_and_l
 
 # --- ObsEncoder and the built-in policies on every key ---------------------------------------
 
-IMAGE_AND_STATE = {"image": [[16, 16, 3], "uint8"], "state": [[2], "float32"]}
+IMAGE_AND_STATE = {"images": {"image": [[16, 16, 3], "uint8"]}, "states": {"state": [[2], "float32"]}}
 
 
 def image_and_state_obs(n: int, column: int = 3) -> dict:
     image = np.zeros((n, 16, 16, 3), np.uint8)
     image[:, :, column] = 255
-    return {"image": image, "state": np.zeros((n, 2), np.float32)}
+    return observation(n, states={"state": np.zeros((n, 2), np.float32)}, images={"image": image})
 
 
-def test_obs_encoder_joins_an_image_through_convolutions_and_a_flat_key_as_it_is():
+def test_obs_encoder_joins_an_image_through_convolutions_and_a_state_as_it_is():
     encoder = plugrl_min.ObsEncoder(IMAGE_AND_STATE)
     assert any(isinstance(module, nn.Conv2d) for module in encoder.modules())
-    obs = {key: torch.from_numpy(value) for key, value in image_and_state_obs(5).items()}
-    obs["state"] += torch.tensor([7.0, 8.0])
+    obs = obs_tensors(image_and_state_obs(5))
+    obs["states"]["state"] += torch.tensor([7.0, 8.0])
     features = encoder(obs)
     assert features.shape == (5, encoder.features) and encoder.features == 64 + 2
     assert features[:, -2:].tolist() == [[7.0, 8.0]] * 5  # keys in sorted order: the state last, unchanged
@@ -4051,33 +4063,28 @@ def test_obs_encoder_scales_uint8_pixels_to_0_1_before_its_convolutions():
     seen = []
     first = next(module for module in encoder.modules() if isinstance(module, nn.Conv2d))
     first.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
-    encoder({key: torch.from_numpy(value) for key, value in image_and_state_obs(2).items()})
+    encoder(obs_tensors(image_and_state_obs(2)))
     assert seen[0].dtype == torch.float32 and seen[0].shape == (2, 3, 16, 16)  # channels first, for Conv2d
     assert seen[0].min().item() == 0.0 and seen[0].max().item() == 1.0
 
 
-@pytest.mark.parametrize("layout, shape", [("CHW", (3, 12, 10)), ("HW", (12, 10))])
-def test_obs_encoder_reads_a_channel_first_or_a_2d_uint8_image_as_the_same_picture_h_w_c(layout, shape):
-    torch.manual_seed(0)
-    pixels = torch.randint(0, 256, (2, 12, 10, 3 if layout == "CHW" else 1), dtype=torch.uint8)  # [B, H, W, C]
-    as_given = pixels.permute(0, 3, 1, 2) if layout == "CHW" else pixels[..., 0]
-    encoder = plugrl_min.ObsEncoder({"image": [list(shape), "uint8"]})
-    hwc = plugrl_min.ObsEncoder({"image": [[12, 10, pixels.shape[-1]], "uint8"]})
-    hwc.load_state_dict(encoder.state_dict())  # the same weights: the same picture must give the same features
-    assert encoder.layouts == {"image": layout} and encoder.features == 64
-    # Equal to float rounding (the convolution's memory order differs); a misread layout differs everywhere.
-    torch.testing.assert_close(encoder({"image": as_given}), hwc({"image": pixels}), rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize("spec", [{"images": {"cam": [[3, 12, 10, 1], "uint8"]}},
+                                  {"images": {"cam": [[12, 10], "uint8"]}},
+                                  {"images": {"cam": [[12, 10, 3], "float32"]}}], ids=["4 axes", "2 axes", "float"])
+def test_obs_encoder_refuses_an_image_that_is_not_uint8_h_w_c_in_one_line_saying_where_numbers_go(spec):
+    with pytest.raises(plugrl_min.UsageError, match=r"a camera is uint8 \[h, w, c\]; other numbers go under 'states'"):
+        plugrl_min.ObsEncoder(spec)
 
 
 def test_obs_encoder_of_a_flat_state_has_no_parameters_and_passes_it_through():
-    encoder = plugrl_min.ObsEncoder({"state": [[3], "float32"]})
+    encoder = plugrl_min.ObsEncoder({"states": {"state": [[3], "float32"]}})
     state = torch.randn(4, 3)
-    assert list(encoder.parameters()) == [] and encoder({"state": state}) is state
+    assert list(encoder.parameters()) == [] and encoder({"images": {}, "states": {"state": state}}) is state
 
 
 def test_obs_encoder_reads_a_key_of_shape_empty_as_one_feature_a_row():
-    encoder = plugrl_min.ObsEncoder({"speed": [[], "float32"], "state": [[2], "float32"]})
-    features = encoder({"speed": torch.tensor([1.5, 2.5]), "state": torch.zeros(2, 2)})
+    encoder = plugrl_min.ObsEncoder({"states": {"speed": [[], "float32"], "state": [[2], "float32"]}})
+    features = encoder({"images": {}, "states": {"speed": torch.tensor([1.5, 2.5]), "state": torch.zeros(2, 2)}})
     assert encoder.features == 3 and features[:, 0].tolist() == [1.5, 2.5]
 
 
@@ -4085,9 +4092,9 @@ def test_the_greedy_action_of_dummy_policy_is_the_squashed_mean_of_each_chunk():
     torch.manual_seed(0)
     policy = make_policy("dummy-policy", plugrl_min.DummyPolicyConfig(hidden_size=8, action_horizon=2,
                                                                       action_dim=3))
-    obs = {"state": np.random.default_rng(0).standard_normal((5, 3)).astype(np.float32)}
+    obs = observation(5, states={"state": np.random.default_rng(0).standard_normal((5, 3)).astype(np.float32)})
     greedy = policy.get_greedy_action(obs)
-    mean, _ = policy.gaussian({"state": torch.from_numpy(obs["state"])})
+    mean, _ = policy.gaussian(obs_tensors(obs))
     assert greedy.shape == (5, 2, 3) and greedy.dtype == np.float32
     assert np.array_equal(greedy, torch.tanh(mean).detach().numpy().reshape(5, 2, 3))
     assert np.array_equal(greedy, policy.get_greedy_action(obs))  # no draw: the same twice
@@ -4096,9 +4103,9 @@ def test_the_greedy_action_of_dummy_policy_is_the_squashed_mean_of_each_chunk():
 def test_the_greedy_action_of_categorical_policy_is_each_observations_most_likely_choice():
     torch.manual_seed(0)
     policy = make_policy("categorical-policy", plugrl_min.CategoricalPolicyConfig(num_actions=5, hidden_size=8))
-    obs = {"state": np.random.default_rng(0).standard_normal((64, 4)).astype(np.float32)}
+    obs = observation(64, states={"state": np.random.default_rng(0).standard_normal((64, 4)).astype(np.float32)})
     greedy = policy.get_greedy_action(obs)
-    probs = policy({"state": torch.from_numpy(obs["state"])}).probs.detach()
+    probs = policy(obs_tensors(obs)).probs.detach()
     assert greedy.shape == (64, 1, 1) and greedy.dtype == np.int64
     assert np.array_equal(greedy[:, 0, 0], probs.argmax(-1).numpy()) and len(set(greedy.ravel())) > 1
 
@@ -4112,17 +4119,16 @@ def test_a_builtin_policy_acts_on_a_dict_observation_and_reads_its_image(uid):
     action, runtime_state = policy.get_action_and_runtime_state(image_and_state_obs(4))
     assert action.shape == (4, 1, 1) and runtime_state["sample"].shape[0] == 4
     with torch.no_grad():  # another picture, another distribution: the image is read
-        left, right = (policy({key: torch.from_numpy(value) for key, value in image_and_state_obs(1, c).items()})
-                       for c in (2, 13))
+        left, right = (policy(obs_tensors(image_and_state_obs(1, c))) for c in (2, 13))
         sample = left.sample()
         assert not torch.allclose(left.log_prob(sample), right.log_prob(sample))
 
 
 def test_the_policy_configs_obs_spec_is_a_json_flag():
     _, _, configs = plugrl_min.parse_server_flags(["dummy-policy", "default", "pg", "default", "--policy.obs-spec",
-                                                   '{"state": [[17], "float64"]}'])
-    assert configs["policy"].obs_spec == {"state": [[17], "float64"]}
-    assert make_policy("dummy-policy", configs["policy"]).obs_spec == {"state": ((17,), "float64")}
+                                                   '{"states": {"state": [[17], "float64"]}}'])
+    assert configs["policy"].obs_spec == {"states": {"state": [[17], "float64"]}}
+    assert make_policy("dummy-policy", configs["policy"]).obs_spec == {"images": {}, "states": {"state": ((17,), "float64")}}
 
 
 def test_pgs_value_network_reads_an_image_through_convolutions_of_its_own():
@@ -4131,8 +4137,7 @@ def test_pgs_value_network_reads_an_image_through_convolutions_of_its_own():
     algo = make_algo("pg", policy, plugrl_min.PGConfig(frames_per_learn=8))
     convolutions = [module for module in algo.value.modules() if isinstance(module, nn.Conv2d)]
     assert convolutions and not any(module in list(policy.modules()) for module in convolutions)
-    obs = {key: torch.from_numpy(value) for key, value in image_and_state_obs(3).items()}
-    assert algo.values(obs).shape == (3,)
+    assert algo.values(obs_tensors(image_and_state_obs(3))).shape == (3,)
 
 
 # =============================================================================================
@@ -4418,14 +4423,15 @@ def test_a_resumed_run_counts_its_learns_frames_and_time_on_from_its_checkpoint(
 BAD_FIELDS = [
     *[("infer", "env_indices", bad, "infer.env_indices", "must be int64 [n]")
       for bad in (np.arange(N, dtype=np.int32), np.arange(N).reshape(N, 1), MISSING)],
-    *[("infer", "obs.state", bad, "infer.obs.state", "must be float32 [2, 3]")
-      for bad in (np.zeros((N, 3)), np.zeros((N, 4), np.float32))],
-    ("infer", "obs.state", MISSING, "infer.obs", "must have the keys ['state'] of obs_spec"),
+    *[("infer", "obs.states.state", bad, "infer.obs.states.state", "must be float32 [2, 3]")
+      for bad in (np.zeros((N, 3), np.int64), np.zeros((N, 4), np.float32), MISSING)],
+    ("infer", "obs.text", MISSING, "infer.obs.text", "must be str [2], a <U array or a list"),
+    ("infer", "obs.states", MISSING, "infer.obs", "must be a map of images, states and text"),
     *[("feedback", "env_indices", bad, "feedback.env_indices", "must be int64 [n]")
       for bad in (np.arange(N, dtype=np.uint64), np.arange(N).reshape(1, N), MISSING)],
-    *[("feedback", "obs.state", bad, "feedback.obs.state", "must be float32 [2, 3]")
-      for bad in (np.zeros((N, 3), np.float16), np.zeros((N, 1, 3), np.float32))],
-    ("feedback", "obs.state", MISSING, "feedback.obs", "must have the keys ['state'] of obs_spec"),
+    *[("feedback", "obs.states.state", bad, "feedback.obs.states.state", "must be float32 [2, 3]")
+      for bad in (np.zeros((N, 3), np.uint8), np.zeros((N, 1, 3), np.float32), MISSING)],
+    ("feedback", "obs.text", np.zeros(N), "feedback.obs.text", "must be str [2], a <U array or a list"),
     *[("feedback", "reward", bad, "feedback.reward",
        "must be float32 or float64 [m] or [m, k] with m = 2")
       for bad in (np.zeros(N, np.int64), np.zeros((N, 1, 1), np.float32), MISSING)],
@@ -4531,23 +4537,23 @@ def test_a_reward_beyond_float32_is_refused_naming_the_field_and_no_other_client
 
 
 def feedback_of(state=0.5, reward=0.0, episode_r=None, extra=None) -> dict:
-    """A feedback message for one environment of obs_spec {"state": float32 [1]}."""
+    """A feedback message for one environment of obs_spec {"states": {"state": float32 [1]}}."""
     info = {} if extra is None else {"extra": np.array([extra])}
     if episode_r is not None:
         info["episode"] = {"r": np.array([episode_r]), "l": np.array([1]), "s": np.array([True]),
                            "mask": np.array([True])}
-    return feedback_message([0], obs={"state": np.array([[state]], np.float32)}, reward=np.array([reward]),
-                            info=info)
+    obs = observation(1, states={"state": np.array([[state]], np.float32)})
+    return feedback_message([0], obs=obs, reward=np.array([reward]), info=info)
 
 
 @pytest.mark.parametrize("message, refused", [
     (feedback_of(reward=1e300), "feedback.reward holds NaN, infinity or a value beyond float32's range"),
     (feedback_of(episode_r=-1e300), "feedback.info.episode.r holds NaN, infinity or a value beyond"),
-    (feedback_of(state=np.nan), "feedback.obs.state holds NaN or infinity"),
+    (feedback_of(state=np.nan), "feedback.obs.states.state holds NaN or infinity"),
     (feedback_of(extra=1e300), None)], ids=["reward", "episode return", "observation", "other info"])
 @wire
 def test_the_reward_and_episode_return_must_fit_float32_observations_be_finite_other_info_is_free(message, refused):
-    spec = {"state": ((1,), np.dtype("float32"))}
+    spec = plugrl_min.obs_spec_of({"states": {"state": ((1,), "float32")}})
     if refused is None:
         assert plugrl_min.check_message(message, spec) == ("feedback", [0])
     else:
@@ -4555,12 +4561,50 @@ def test_the_reward_and_episode_return_must_fit_float32_observations_be_finite_o
             plugrl_min.check_message(message, spec)
 
 
-def test_every_key_of_a_dict_observation_is_checked_a_wrong_dtype_in_the_second_is_refused_naming_it():
-    spec = {"image": ((16, 16, 3), np.dtype("uint8")), "state": ((2,), np.dtype("float32"))}  # the README's camera
-    message = infer_message([0], obs={"image": np.zeros((1, 16, 16, 3), np.uint8),
-                                      "state": np.zeros((1, 2), np.float64)})
-    with pytest.raises(ProtocolError, match=re.escape("infer.obs.state must be float32 [1, 2]; got float64 [1, 2]")):
-        plugrl_min.check_message(message, spec)
+CAMERA_SPEC = {"images": {"image": ((16, 16, 3), "uint8")}, "states": {"state": ((2,), "float32")}}  # the README's
+
+
+@contract
+def test_every_key_the_policy_reads_is_checked_an_image_of_another_dtype_is_refused_naming_it():
+    message = infer_message([0], obs=observation(1, states={"state": np.zeros((1, 2), np.float32)},
+                                                 images={"image": np.zeros((1, 16, 16, 3), np.float32)}))
+    with pytest.raises(ProtocolError, match=re.escape("infer.obs.images.image must be uint8 [1, 16, 16, 3]; got float32")):
+        plugrl_min.check_message(message, plugrl_min.obs_spec_of(CAMERA_SPEC))
+
+
+@contract
+def test_a_float64_state_as_plugrls_clients_send_it_reaches_the_policy_as_its_float32():
+    state = np.array([[0.1, 1e-40]])  # float64; the second is below float32's normal range
+    message = infer_message([0], obs=observation(1, states={"state": state},
+                                                 images={"image": np.zeros((1, 16, 16, 3), np.uint8)}))
+    plugrl_min.check_message(message, plugrl_min.obs_spec_of(CAMERA_SPEC))
+    given = message["obs"]["states"]["state"]
+    assert given.dtype == np.float32 and given.tolist() == state.astype(np.float32).tolist()
+
+
+@contract
+def test_a_key_the_policy_does_not_read_is_ignored_and_a_key_it_reads_missing_is_refused_naming_it():
+    extra = {"wrist": np.zeros((1, 112, 112, 3), np.uint8)}
+    obs = observation(1, states={"state": np.zeros((1, 2), np.float32), "joints": np.zeros((1, 5))},
+                      images={"image": np.zeros((1, 16, 16, 3), np.uint8), **extra})
+    message = infer_message([0], obs=obs)
+    plugrl_min.check_message(message, plugrl_min.obs_spec_of(CAMERA_SPEC))
+    assert message["obs"]["images"].keys() == {"image"} and message["obs"]["states"].keys() == {"state"}
+    del obs["images"]["image"]
+    with pytest.raises(ProtocolError, match=re.escape("infer.obs.images.image must be uint8 [1, 16, 16, 3]; got nothing")):
+        plugrl_min.check_message(infer_message([0], obs=obs), plugrl_min.obs_spec_of(CAMERA_SPEC))
+
+
+@contract
+@pytest.mark.parametrize("text", [np.array(["pick up the red block", ""]), ["pick up the red block", ""]],
+                         ids=["a <U array", "a list of str"])
+def test_text_as_a_u_array_or_a_list_of_str_reaches_the_algorithm_as_a_u_array(text):
+    message = infer_message([0, 1], obs=observation(2, states={"state": np.zeros((2, 2), np.float32)},
+                                                    images={"image": np.zeros((2, 16, 16, 3), np.uint8)}))
+    message["obs"]["text"] = text
+    plugrl_min.check_message(message, plugrl_min.obs_spec_of(CAMERA_SPEC))
+    given = message["obs"]["text"]
+    assert given.dtype.kind == "U" and given.tolist() == ["pick up the red block", ""]
 
 
 # --- Bad input: an error, then that connection alone is closed; a fuzz test over every kind -------
@@ -4585,7 +4629,7 @@ def test_a_protocol_violation_gets_an_error_then_closes_that_connection_alone(tm
         elif bad == "unknown message_type":
             await offender.ws.send(pack_message({"message_type": "hello"}))
         elif bad == "obs of the wrong shape":
-            await offender.ws.send(pack_message(infer_message([0], obs={"state": np.zeros((1, 2), np.float32)})))
+            await offender.ws.send(pack_message(infer_message([0], obs=observation(1, states={"state": np.zeros((1, 2), np.float32)}))))
         elif bad == "feedback without an action":
             await offender.feedback([0], [2])
         else:
@@ -4606,8 +4650,8 @@ BAD_TAG = 7.0  # every bad connection's observations carry this tag; the good cl
 
 
 def infer_with_state(state_map: dict) -> bytes:
-    """An infer for environment 0 whose obs['state'] is the array map given, right or wrong."""
-    return pack_message(infer_message([0], obs={"state": state_map}))
+    """An infer for environment 0 whose obs["states"]["state"] is the array map given, right or wrong."""
+    return pack_message(infer_message([0], obs=observation(1, states={"state": state_map})))
 
 
 ONE_STATE = np.full((1, 3), BAD_TAG, np.float32).tobytes()  # one environment's observation, as data
@@ -4752,22 +4796,25 @@ def _(rng):
 
 @malformed("obs keys differ from the policy's")
 def _(rng):
-    state = obs_of([BAD_TAG])["state"]
-    obs = pick(rng, [..., {}, {"state": state, "extra": np.zeros((1, 1), np.float32)}, {"State": state}, state,
-                     [state], "state", {"state": {"x": state}}])
+    state, text = obs_of([BAD_TAG])["states"]["state"], np.array([""])
+    obs = pick(rng, [..., {}, {"state": state}, {"images": {}, "states": {"State": state}, "text": text}, state,
+                     [state], "state", {"images": {}, "states": {"state": {"x": state}}, "text": text},
+                     {"images": {}, "states": {"state": state}}, {"images": [], "states": {"state": state}, "text": text},
+                     {"images": {}, "states": {"state": state}, "text": np.array([1])},
+                     {"images": {}, "states": {"state": state}, "text": ["a", "b"]}])
     return False, pack_message(with_changes(infer_message(), obs=obs))
 
 
 @malformed("obs shape differs from the policy's")
 def _(rng):
     shape = pick(rng, [(1, 2), (1, 4), (2, 3), (3,), (1, 3, 1), (0, 3), ()])
-    return False, pack_message(with_changes(infer_message(), obs={"state": np.zeros(shape, np.float32)}))
+    return False, pack_message(with_changes(infer_message(), obs=observation(1, states={"state": np.zeros(shape, np.float32)})))
 
 
 @malformed("obs dtype differs from the policy's")
 def _(rng):
-    dtype = pick(rng, [np.float64, np.float16, np.int32, np.int64, np.uint8, np.bool_])
-    return False, pack_message(with_changes(infer_message(), obs={"state": np.zeros((1, 3), dtype)}))
+    dtype = pick(rng, [np.int32, np.int64, np.uint8, np.bool_])  # a float of another width is cast, not refused
+    return False, pack_message(with_changes(infer_message(), obs=observation(1, states={"state": np.zeros((1, 3), dtype)})))
 
 
 @malformed("NaN or infinity in an infer's obs")
@@ -4775,14 +4822,14 @@ def _(rng):
     n = int(rng.integers(1, 5))
     state = np.full((n, 3), BAD_TAG, np.float32)
     state.flat[rng.integers(3 * n)] = pick(rng, [np.nan, np.inf, -np.inf])
-    return False, pack_message(with_changes(infer_message(range(n)), obs={"state": state}))
+    return False, pack_message(with_changes(infer_message(range(n)), obs=observation(n, states={"state": state})))
 
 
 @malformed("NaN or infinity in a feedback")
 def _(rng):
     return True, pack_message(pick(rng, [
-        with_changes(feedback_message(), obs={"state": np.array([[BAD_TAG, np.nan, 0]], np.float32)}),
-        with_changes(feedback_message(), obs={"state": np.array([[BAD_TAG, 0, -np.inf]], np.float32)}),
+        with_changes(feedback_message(), obs=observation(1, states={"state": np.array([[BAD_TAG, np.nan, 0]], np.float32)})),
+        with_changes(feedback_message(), obs=observation(1, states={"state": np.array([[BAD_TAG, 0, -np.inf]], np.float32)})),
         with_changes(feedback_message(), reward=np.array([np.nan], np.float32)),
         with_changes(feedback_message(), reward=np.array([np.inf])),
         with_changes(feedback_message(), reward=np.array([[1.0, np.nan]], np.float32))]))
@@ -5355,14 +5402,14 @@ def test_reset_with_indices_resets_only_those_and_returns_every_observation():
     env.step(np.zeros((3, 1)))
     env.step(np.zeros((3, 1)))
     obs = env.reset(indices=[1])
-    assert obs["state"].shape == (3, 1)
+    assert obs["states"]["state"].shape == (3, 1)
     assert state_of(obs) == [2.0, 0.0, 2.0]
 
 
 def test_make_env_with_the_same_seed_gives_the_same_episodes():
     a, b = make_env("dummy-v1", 4, seed=7), make_env("dummy-v1", 4, seed=7)
-    np.testing.assert_array_equal(a.reset()["state"], b.reset()["state"])
-    np.testing.assert_array_equal(a.reset(indices=[2])["state"], b.reset(indices=[2])["state"])
+    np.testing.assert_array_equal(a.reset()["states"]["state"], b.reset()["states"]["state"])
+    np.testing.assert_array_equal(a.reset(indices=[2])["states"]["state"], b.reset(indices=[2])["states"]["state"])
 
 
 def test_make_env_unknown_id_is_a_usage_error_naming_it():
@@ -5372,10 +5419,10 @@ def test_make_env_unknown_id_is_a_usage_error_naming_it():
 
 def test_inactive_env_keeps_its_observation():
     env = make_env("dummy-v1", 2, seed=0)
-    before = env.reset()["state"].copy()
+    before = env.reset()["states"]["state"].copy()
     obs, *_ = env.step(np.ones((2, 1)), active=np.array([True, False]))
-    np.testing.assert_array_equal(obs["state"][1], before[1])
-    assert not np.array_equal(obs["state"][0], before[0])  # the active one did move
+    np.testing.assert_array_equal(obs["states"]["state"][1], before[1])
+    assert not np.array_equal(obs["states"]["state"][0], before[0])  # the active one did move
 
 
 def test_inactive_env_gets_zero_reward():
@@ -5423,9 +5470,9 @@ def test_inactive_finished_env_does_not_report_its_episode_again():
 def test_observations_are_float32_n_by_3(env_id):
     env = make_env(env_id, 5, seed=0)
     obs = env.reset()
-    assert obs["state"].shape == (5, 3) and obs["state"].dtype == np.float32
+    assert obs["states"]["state"].shape == (5, 3) and obs["states"]["state"].dtype == np.float32
     obs, *_ = env.step(np.zeros((5, 1), np.float32))
-    assert obs["state"].shape == (5, 3) and obs["state"].dtype == np.float32
+    assert obs["states"]["state"].shape == (5, 3) and obs["states"]["state"].dtype == np.float32
 
 
 @pytest.mark.parametrize("env_id", ["dummy-v1", "pendulum-v1"])
@@ -5435,14 +5482,14 @@ def test_actions_outside_minus_one_one_are_clipped(env_id):
     a.reset(), b.reset()
     obs_a, reward_a, *_ = a.step(np.array([[5.0], [-5.0]]))
     obs_b, reward_b, *_ = b.step(np.array([[1.0], [-1.0]]))
-    np.testing.assert_array_equal(obs_a["state"], obs_b["state"])
+    np.testing.assert_array_equal(obs_a["states"]["state"], obs_b["states"]["state"])
     np.testing.assert_array_equal(reward_a, reward_b)
 
 
 def test_dummy_truncates_at_50_steps_with_episode_info():
     env = make_env("dummy-v1", 1, seed=1)
     obs = env.reset()
-    assert abs(obs["state"][0, 2]) > 0.05  # standing still never reaches the target
+    assert abs(obs["states"]["state"][0, 2]) > 0.05  # standing still never reaches the target
     total = 0.0
     for _ in range(49):
         _, reward, terminated, truncated, info = env.step(np.zeros((1, 1)))
@@ -5462,7 +5509,7 @@ def test_dummy_terminates_with_success_on_reaching_the_target():
     obs = env.reset()
     total, steps = 0.0, 0
     while True:
-        gap = float(obs["state"][0, 2])
+        gap = float(obs["states"]["state"][0, 2])
         obs, reward, terminated, truncated, info = env.step(np.array([[np.clip(gap / 0.2, -1, 1)]]))
         total, steps = total + float(reward[0]), steps + 1
         if terminated[0] or truncated[0]:
@@ -5494,9 +5541,9 @@ class RecordingController(Controller):
 
     def __call__(self, obs, decision, state):
         self.calls += 1
-        self.seen_obs.append(obs["state"].copy())
+        self.seen_obs.append(obs["states"]["state"].copy())
         self.seen_decisions.append(np.array(decision, copy=True))
-        new_state = {"calls": state["calls"] + 1, "obs_sum": state["obs_sum"] + obs["state"][:, :1]}
+        new_state = {"calls": state["calls"] + 1, "obs_sum": state["obs_sum"] + obs["states"]["state"][:, :1]}
         return np.asarray(decision)[:, :1], new_state
 
 
@@ -5512,7 +5559,7 @@ class CountingEnv(plugrl_min.VecEnv):
     """counting-v1, the environment of the SPEC's table: obs = physical steps this episode, reward 1 a step;
     env i ends at 4 + i. Registered here, where the tests use it, as a plug-in would."""
 
-    obs_spec = {"state": ((1,), "float32")}
+    obs_spec = {"states": {"state": ((1,), "float32")}}
 
     def _reset(self, rows):
         pass  # the count is VecEnv's episode_length
@@ -5522,7 +5569,7 @@ class CountingEnv(plugrl_min.VecEnv):
         return np.ones(len(rows)), ended, np.ones(len(rows), bool)
 
     def _observe(self):
-        return {"state": self.episode_length[:, None].astype(np.float32)}
+        return observation(self.num_envs, states={"state": self.episode_length[:, None].astype(np.float32)})
 
 
 class PassThroughController(Controller):
@@ -5556,7 +5603,7 @@ def decide(executor, n, times=1):
 
 
 def state_of(obs):
-    return obs["state"][:, 0].tolist()
+    return obs["states"]["state"][:, 0].tolist()
 
 
 FIRST_DECISION = {"sum": [3.0], "mean": [1.0], "last": [1.0], "stack": [[1.0, 1.0, 1.0]]}
@@ -5717,7 +5764,7 @@ def test_steps_1_is_exactly_one_plain_step_with_the_controllers_action(env_id, m
         action, state = controller(plain_obs, decision, state)
         expected = plain.step(action)
         obs, reward, terminated, truncated, info = executor.step(decision)
-        np.testing.assert_array_equal(obs["state"], expected[0]["state"])
+        np.testing.assert_array_equal(obs["states"]["state"], expected[0]["states"]["state"])
         np.testing.assert_array_equal(reward, expected[1][:, None] if mode == "stack" else expected[1])
         np.testing.assert_array_equal(terminated, expected[2])
         np.testing.assert_array_equal(truncated, expected[3])
@@ -5819,7 +5866,7 @@ def test_reset_restores_each_reset_envs_own_initial_state(indices):
 
 def test_first_controller_call_sees_the_observation_the_policy_saw():
     executor, controller = counting(2, 2)
-    policy_obs = executor.reset()["state"].copy()
+    policy_obs = executor.reset()["states"]["state"].copy()
     executor.step(ones(2))
     np.testing.assert_array_equal(controller.seen_obs[0], policy_obs)
 
@@ -5827,7 +5874,7 @@ def test_first_controller_call_sees_the_observation_the_policy_saw():
 def test_first_controller_call_after_a_partial_reset_sees_the_reset_observation():
     executor, controller = counting(2, 2)
     decide(executor, 2)
-    policy_obs = executor.reset(indices=[0])["state"].copy()
+    policy_obs = executor.reset(indices=[0])["states"]["state"].copy()
     assert policy_obs[:, 0].tolist() == [0.0, 2.0]
     executor.step(ones(2))
     np.testing.assert_array_equal(controller.seen_obs[2], policy_obs)
@@ -5837,7 +5884,7 @@ def test_first_controller_call_of_a_decision_sees_the_previous_decisions_observa
     executor, controller = counting(1, 2)
     obs, *_ = decide(executor, 1)
     executor.step(ones(1))
-    np.testing.assert_array_equal(controller.seen_obs[2], obs["state"])
+    np.testing.assert_array_equal(controller.seen_obs[2], obs["states"]["state"])
 
 
 def test_later_controller_calls_see_fresh_observations():
@@ -5849,8 +5896,8 @@ def test_later_controller_calls_see_fresh_observations():
 def test_stack_observations_gives_every_physical_steps_observation():
     executor, _ = counting(1, 3, stack_observations=True)
     obs, *_ = decide(executor, 1)
-    assert obs["state"].shape == (1, 3, 1)
-    assert obs["state"][0, :, 0].tolist() == [1.0, 2.0, 3.0]
+    assert obs["states"]["state"].shape == (1, 3, 1)
+    assert obs["states"]["state"][0, :, 0].tolist() == [1.0, 2.0, 3.0]
 
 
 def test_stack_observations_has_as_many_observations_as_the_stacked_rewards():
@@ -5858,7 +5905,7 @@ def test_stack_observations_has_as_many_observations_as_the_stacked_rewards():
     decide(executor, 1)
     obs, reward, *_ = decide(executor, 1)  # one step runs, then the episode ends: [1, 0]
     assert reward[0].tolist() == [1.0, 0.0]
-    assert obs["state"][0, :, 0].tolist() == [4.0, 4.0]  # the last observation repeated once
+    assert obs["states"]["state"][0, :, 0].tolist() == [4.0, 4.0]  # the last observation repeated once
 
 
 def test_stack_observations_next_decision_starts_from_the_newest_observation():
@@ -5963,7 +6010,7 @@ def test_multiaction_executes_the_chunks_actions_in_order():
     assert info["executed_steps"].tolist() == [3, 3]
     plain_steps = [plain.step(chunk[:, t]) for t in range(3)]
     rewards = [step[1] for step in plain_steps]
-    np.testing.assert_array_equal(obs["state"], plain_steps[-1][0]["state"])
+    np.testing.assert_array_equal(obs["states"]["state"], plain_steps[-1][0]["states"]["state"])
     np.testing.assert_allclose(reward, np.sum(rewards, 0), rtol=1e-6)
 
 
@@ -5988,8 +6035,8 @@ def test_open_and_closed_loop_share_one_inner_loop(mode):
         a = open_loop.step(np.ones((n, k, 1), np.float32))
         b = closed_loop.step(ones(n))
         for x, y in zip(a[:4], b[:4]):
-            np.testing.assert_array_equal(x["state"] if isinstance(x, dict) else x,
-                                          y["state"] if isinstance(y, dict) else y)
+            np.testing.assert_array_equal(x["states"]["state"] if isinstance(x, dict) else x,
+                                          y["states"]["state"] if isinstance(y, dict) else y)
         np.testing.assert_array_equal(a[4]["executed_steps"], b[4]["executed_steps"])
         done = np.flatnonzero(a[2] | a[3])
         open_loop.reset(done), closed_loop.reset(done)
@@ -5999,9 +6046,9 @@ def test_open_and_closed_loop_share_one_inner_loop(mode):
 
 @pytest.mark.parametrize("policy, env_id, server_space, client_space", [
     (("categorical-policy", plugrl_min.CategoricalPolicyConfig()), "cartpole-v1", None, None),
-    (("dummy-policy", plugrl_min.DummyPolicyConfig(obs_spec={"state": [[4], "float32"]})), "cartpole-v1", "continuous, action_dim 1",
+    (("dummy-policy", plugrl_min.DummyPolicyConfig(obs_spec={"states": {"state": [[4], "float32"]}})), "cartpole-v1", "continuous, action_dim 1",
      "discrete, 2 actions"),
-    (("categorical-policy", plugrl_min.CategoricalPolicyConfig(obs_spec={"state": [[3], "float32"]})), "dummy-v1", "discrete, 2 actions",
+    (("categorical-policy", plugrl_min.CategoricalPolicyConfig(obs_spec={"states": {"state": [[3], "float32"]}})), "dummy-v1", "discrete, 2 actions",
      "continuous, action_dim 1"),
 ], ids=["fits", "continuous server, discrete client", "discrete server, continuous client"])
 @wire
@@ -6023,29 +6070,89 @@ def test_a_client_whose_action_space_differs_stops_naming_both(tmp_path, capsys,
 class TwoKeys(plugrl_min.VecEnv):
     """An environment whose observations are a picture and a state (not registered)."""
 
-    obs_spec = {"image": ((16, 16, 3), "uint8"), "state": ((2,), "float32")}
+    obs_spec = {"images": {"image": ((16, 16, 3), "uint8")}, "states": {"state": ((2,), "float32")}}
 
     def _reset(self, rows):
         pass
 
     def _observe(self):
-        return {"image": np.zeros((self.num_envs, 16, 16, 3), np.uint8),
-                "state": np.zeros((self.num_envs, 2), np.float32)}
+        return observation(self.num_envs, states={"state": np.zeros((self.num_envs, 2), np.float32)},
+                           images={"image": np.zeros((self.num_envs, 16, 16, 3), np.uint8)})
 
 
-def test_a_client_whose_observation_keys_differ_from_the_servers_stops_naming_the_first_key():
-    metadata = metadata_message()  # dummy-policy's
-    with pytest.raises(plugrl_min.CommandError, match=r"observation 'image': the policy reads nothing, this environment "
-                                         r"gives uint8 \[16, 16, 3\]"):
+def test_a_client_that_gives_more_keys_than_the_policy_reads_fits_it():
+    metadata = metadata_message(obs_spec={"images": {}, "states": {"state": {"shape": [2], "dtype": "<f4"}}})
+    plugrl_min.check_metadata(metadata, MultiAction(TwoKeys(2)), closed_loop=False)  # the picture is extra
+
+
+def test_a_client_that_lacks_a_key_the_policy_reads_stops_naming_it():
+    metadata = metadata_message(obs_spec={"images": {"wrist": {"shape": [16, 16, 3], "dtype": "|u1"}},
+                                          "states": {"state": {"shape": [2], "dtype": "<f4"}}})
+    with pytest.raises(plugrl_min.CommandError, match=r"observation images.wrist: the policy reads uint8 \[16, 16, 3\], "
+                                                      r"this environment gives nothing"):
         plugrl_min.check_metadata(metadata, MultiAction(TwoKeys(2)), closed_loop=False)
 
 
 def test_a_client_whose_observation_shape_differs_names_the_key_and_both_shapes():
-    metadata = metadata_message(obs_spec={"image": {"shape": [16, 16, 3], "dtype": "|u1"},
-                                          "state": {"shape": [3], "dtype": "float32"}})
-    with pytest.raises(plugrl_min.CommandError, match=r"observation 'state': the policy reads float32 \[3\], this environment "
-                                         r"gives float32 \[2\]"):
+    metadata = metadata_message(obs_spec={"images": {"image": {"shape": [16, 16, 3], "dtype": "|u1"}},
+                                          "states": {"state": {"shape": [3], "dtype": "float32"}}})
+    with pytest.raises(plugrl_min.CommandError, match=r"observation states.state: the policy reads float32 \[3\], this "
+                                                      r"environment gives float32 \[2\]"):
         plugrl_min.check_metadata(metadata, MultiAction(TwoKeys(2)), closed_loop=False)
+
+
+def plugrl_dummy_v1_observation(text) -> dict:
+    """What PlugRL's own dummy-v1 client sends for one environment: two cameras, float64 states, text."""
+    rng = np.random.default_rng(0)
+    return {"images": {"base": rng.integers(0, 256, (1, 224, 224, 3), np.uint8),
+                       "wrist": rng.integers(0, 256, (1, 112, 112, 3), np.uint8)},
+            "states": {"robot_state": rng.standard_normal((1, 10)), "joint_angles": rng.standard_normal((1, 5))},
+            "text": text}
+
+
+@wire
+def test_the_plugrl_dummy_v1_policy_answers_plugrl_dummy_v1s_observation_with_text_as_an_array_or_a_list(tmp_path):
+    config = plugrl_min._POLICY_CONFIGS[("dummy-policy", "plugrl-dummy-v1")]
+    algo = dummy_algo(make_policy("dummy-policy", config), 100)
+
+    async def script(port, server):
+        client = await Client.connect(port)
+        replies = []
+        for text in (np.array(["do something"]), ["do something"]):
+            await client.ws.send(pack_message(infer_message([0], obs=plugrl_dummy_v1_observation(text))))
+            replies.append(await client.receive())
+            await client.ws.send(pack_message(feedback_message([0], obs=plugrl_dummy_v1_observation(text))))
+        await client.close()
+        return replies
+
+    _, replies = run_server(algo, tmp_path, script)
+    assert [actions_of(reply).shape for reply in replies] == [(1, 1, 7)] * 2
+
+
+def test_a_policy_config_of_the_flat_form_is_one_line_showing_the_grouped_form():
+    status, _, err = run_main("dummy-policy", "default", "dummy", "default", "--in-process",
+                              "--policy.obs-spec", '{"state": [[3], "float32"]}')
+    assert status == 2 and len(err.strip().splitlines()) == 1
+    assert "obs_spec {'state': [[3], 'float32']} is flat: PlugRL's observation groups its keys, " \
+           "{'states': {'state': [[3], 'float32']}}" in err
+
+
+class FlatEnv(plugrl_min.DummyEnv):
+    """dummy-v1 as an environment written before observations were grouped."""
+
+    obs_spec = {"state": ((3,), "float32")}
+
+
+def test_an_environment_of_the_flat_form_breaks_no_run_that_does_not_use_it_and_is_one_line_when_used(tmp_path,
+                                                                                                   monkeypatch):
+    monkeypatch.setitem(plugrl_min.ENVIRONMENTS, "plugrl-test-flat-v0", FlatEnv)
+    status, _, err = run_main("dummy-policy", "default", "dummy", "default", "--in-process", "--algo.global-steps",
+                              "50", "--run-dir", tmp_path / "run")
+    assert status == 0, err
+    status, _, err = run_main("dummy-policy", "default", "dummy", "default", "--in-process", "--local-env",
+                              "plugrl-test-flat-v0", "--run-dir", tmp_path / "flat")
+    assert status == 2 and len(err.strip().splitlines()) == 1
+    assert "error: environment plugrl-test-flat-v0: obs_spec {'state': ((3,), 'float32')} is flat" in err
 
 
 # --- Connecting: a server not up yet, a server restarted ------------------------------------------
@@ -6156,7 +6263,7 @@ def test_an_open_loop_multiaction_stacks_every_steps_observation_when_asked():
     executor = MultiAction(make_env("dummy-v1", 2, seed=0), stack_observations=True)
     executor.reset()
     obs, reward, *_ = executor.step(np.zeros((2, 3, 1), np.float32))  # a chunk of 3 actions
-    assert obs["state"].shape == (2, 3, 3) and reward.shape == (2,)
+    assert obs["states"]["state"].shape == (2, 3, 3) and reward.shape == (2,)
 
 
 # =============================================================================================
@@ -6519,7 +6626,7 @@ def test_a_renamed_copy_serves_a_plugin_that_imports_it_by_its_new_name(tmp_path
 
 LINE_ENV = '''
 import numpy as np
-from {framework} import VecEnv, register_env
+from {framework} import VecEnv, observation, register_env
 
 
 @register_env("plugrl-test-line-v0")
@@ -6538,7 +6645,7 @@ class Line(VecEnv):
         return -np.abs(self.x[rows]), np.abs(self.x[rows]) < 0.05, np.abs(self.x[rows]) < 0.05
 
     def _observe(self):
-        return {{"state": np.stack([self.x, self.x, -self.x], axis=1).astype(np.float32)}}
+        return observation(self.num_envs, states={{"state": np.stack([self.x, self.x, -self.x], axis=1).astype(np.float32)}})
 '''
 
 
@@ -6695,22 +6802,23 @@ def test_main_in_a_plain_script_returns_the_status_twice_and_gives_the_signals_b
 
 WIDE_ENVS = '''
 import numpy as np
-from plugrl_min import BaseAlgoConfig, DummyAlgorithm, DummyEnv, VecEnv, register_algo, register_algo_config, register_env
+from plugrl_min import (BaseAlgoConfig, DummyAlgorithm, DummyEnv, VecEnv, observation, register_algo,
+                        register_algo_config, register_env)
 
 
 @register_env("wide-v0")
 class Wide(DummyEnv):
     """dummy-v1's point, seen as 5 numbers and pushed by 2."""
-    obs_spec, action_dim = {"state": ((5,), "float32")}, 2
+    obs_spec, action_dim = {"states": {"state": ((5,), "float32")}}, 2
 
     def _observe(self):
-        state = super()._observe()["state"]
-        return {"state": np.concatenate([state, state[:, :2]], axis=1)}
+        state = super()._observe()["states"]["state"]
+        return observation(self.num_envs, states={"state": np.concatenate([state, state[:, :2]], axis=1)})
 
 
 @register_env("three-choices-v0")
 class ThreeChoices(VecEnv):
-    obs_spec, num_actions, max_steps = {"state": ((6,), "float32")}, 3, 10
+    obs_spec, num_actions, max_steps = {"states": {"state": ((6,), "float32")}}, 3, 10
 
     def _reset(self, rows):
         pass
@@ -6719,7 +6827,7 @@ class ThreeChoices(VecEnv):
         return np.zeros(len(rows)), np.zeros(len(rows), bool), np.zeros(len(rows), bool)
 
     def _observe(self):
-        return {"state": np.zeros((self.num_envs, 6), np.float32)}
+        return observation(self.num_envs, states={"state": np.zeros((self.num_envs, 6), np.float32)})
 
 
 @register_algo_config("wide-example")
@@ -6752,7 +6860,7 @@ def test_a_builtin_policy_takes_its_observation_and_action_sizes_from_the_local_
     write_plugin(tmp_path, "plugrl_test_wide", WIDE_ENVS)
     policy = policy_served(monkeypatch, "dummy-policy", "default", "dummy", "default", "--plugin", "plugrl_test_wide",
                            "--local-env", "wide-v0", "--run-dir", tmp_path / "run")
-    assert policy.obs_spec == {"state": ((5,), np.float32)} and policy.action_dim == 2
+    assert policy.obs_spec == plugrl_min.obs_spec_of({"states": {"state": ((5,), "float32")}}) and policy.action_dim == 2
 
 
 def test_the_algorithms_example_env_sizes_the_policy_when_no_local_env_is_named(tmp_path, plugins_in_process,
@@ -6760,7 +6868,7 @@ def test_the_algorithms_example_env_sizes_the_policy_when_no_local_env_is_named(
     write_plugin(tmp_path, "plugrl_test_wide", WIDE_ENVS)
     policy = policy_served(monkeypatch, "dummy-policy", "default", "wide-example", "default", "--plugin",
                            "plugrl_test_wide", "--run-dir", tmp_path / "run")
-    assert policy.obs_spec == {"state": ((5,), np.float32)} and policy.action_dim == 2
+    assert policy.obs_spec == plugrl_min.obs_spec_of({"states": {"state": ((5,), "float32")}}) and policy.action_dim == 2
 
 
 def test_a_categorical_policy_takes_its_number_of_actions_from_a_discrete_env(tmp_path, plugins_in_process,
@@ -6768,14 +6876,14 @@ def test_a_categorical_policy_takes_its_number_of_actions_from_a_discrete_env(tm
     write_plugin(tmp_path, "plugrl_test_wide", WIDE_ENVS)
     policy = policy_served(monkeypatch, "categorical-policy", "default", "pg", "default", "--plugin",
                            "plugrl_test_wide", "--local-env", "three-choices-v0", "--run-dir", tmp_path / "run")
-    assert policy.obs_spec == {"state": ((6,), np.float32)} and policy.num_actions == 3
+    assert policy.obs_spec == plugrl_min.obs_spec_of({"states": {"state": ((6,), "float32")}}) and policy.num_actions == 3
 
 
 def test_a_size_given_as_a_flag_wins_over_the_environments(tmp_path, plugins_in_process, monkeypatch):
     write_plugin(tmp_path, "plugrl_test_wide", WIDE_ENVS)
     policy = policy_served(monkeypatch, "dummy-policy", "default", "dummy", "default", "--plugin", "plugrl_test_wide",
                            "--local-env", "wide-v0", "--policy.action-dim", "3", "--run-dir", tmp_path / "run")
-    assert policy.obs_spec == {"state": ((5,), np.float32)} and policy.action_dim == 3
+    assert policy.obs_spec == plugrl_min.obs_spec_of({"states": {"state": ((5,), "float32")}}) and policy.action_dim == 3
 
 
 def test_a_policy_that_does_not_fit_its_local_env_names_the_flag_that_would_fit_it(tmp_path, plugins_in_process):
@@ -6792,12 +6900,12 @@ def test_a_policy_that_does_not_fit_its_local_env_names_the_flag_that_would_fit_
 def test_a_client_whose_observation_differs_is_told_the_obs_spec_flag_that_fits_it():
     meta = plugrl_min.metadata_of(small_policy(), plugrl_min.obs_spec_of(small_policy().obs_spec), ("d", "d"))
     problem = plugrl_min.misfit(meta, plugrl_min.CartPoleEnv)
-    assert problem.startswith("observation 'state': the policy reads float32 [3], this environment gives float32 [4]")
-    assert problem.endswith("""--policy.obs-spec '{"state": [[4], "float32"]}')""")
+    assert problem.startswith("observation states.state: the policy reads float32 [3], this environment gives float32 [4]")
+    assert problem.endswith("""--policy.obs-spec '{"states": {"state": [[4], "float32"]}}')""")
 
 
 def test_a_continuous_policy_for_a_discrete_env_is_told_to_serve_categorical_policy():
-    meta = plugrl_min.metadata_of(small_policy(), {"state": ((4,), np.dtype(np.float32))}, ("d", "d"))
+    meta = plugrl_min.metadata_of(small_policy(), plugrl_min.obs_spec_of({"states": {"state": ((4,), "float32")}}), ("d", "d"))
     assert plugrl_min.misfit(meta, plugrl_min.CartPoleEnv).endswith(
         "this client needs discrete, 2 actions (serve categorical-policy)")
 
@@ -7021,9 +7129,10 @@ if rank == 0:  # the server stores 64 frames of 4 environments, chained by prev_
     rng, nodes = np.random.default_rng(1), {}
     for i in range(64):
         nodes[i % 4], _, _ = algo.feedback(
-            obs={"state": rng.standard_normal(3, np.float32)}, runtime_state=None,
+            obs={"images": {}, "states": {"state": rng.standard_normal(3, np.float32)}, "text": ""}, runtime_state=None,
             train_state={"sample": rng.standard_normal(1, np.float32)}, terminated=False, truncated=False,
-            next_obs={"state": rng.standard_normal(3, np.float32)}, reward=float(rng.standard_normal()), info={},
+            next_obs={"images": {}, "states": {"state": rng.standard_normal(3, np.float32)}, "text": ""},
+            reward=float(rng.standard_normal()), info={},
             next_terminated=i % 13 == 12, next_truncated=False, prev_node=nodes.get(i % 4, (-1, "")))
     learn = plugrl_min.in_step(ranks, algo, algo.learn)  # as Server.learn_once does
     algo.pre_learn()
@@ -8020,7 +8129,7 @@ def test_pendulum_v1_steps_as_gymnasiums_pendulum_v1_for_a_whole_episode(th, thd
     for step, action in enumerate(actions):
         obs, reward, terminated, truncated, _ = theirs.step(np.array([2.0 * action]))  # torque = 2 * a
         our_obs, our_reward, our_terminated, our_truncated, _ = ours.step(np.array([[action]]))
-        np.testing.assert_allclose(our_obs["state"][0], obs, rtol=1e-5, atol=1e-5, err_msg=f"step {step}")
+        np.testing.assert_allclose(our_obs["states"]["state"][0], obs, rtol=1e-5, atol=1e-5, err_msg=f"step {step}")
         assert our_reward[0] == pytest.approx(reward, rel=1e-5, abs=1e-6), step
         assert (bool(our_terminated[0]), bool(our_truncated[0])) == (terminated, truncated), step
     assert truncated  # the 200th step ends both
@@ -8035,7 +8144,7 @@ def test_pendulum_known_step_by_hand():
     assert reward[0] == pytest.approx(-1.02536, rel=1e-6)
     newthdot = 1.2211032386
     newth = 1.0 + newthdot * 0.05
-    np.testing.assert_allclose(obs["state"][0], [math.cos(newth), math.sin(newth), newthdot], rtol=1e-6)
+    np.testing.assert_allclose(obs["states"]["state"][0], [math.cos(newth), math.sin(newth), newthdot], rtol=1e-6)
 
 
 def test_pendulum_truncates_after_200_steps():
@@ -8075,7 +8184,7 @@ def test_cartpole_v1_steps_as_gymnasiums_cartpole_v1():
         theirs.state = ours.state[0].copy()  # the same state, then the same action
         obs, reward, terminated, _, _ = theirs.step(int(action))
         our_obs, our_reward, our_terminated, _, _ = ours.step(np.array([[action]]))
-        np.testing.assert_array_equal(our_obs["state"][0], obs)
+        np.testing.assert_array_equal(our_obs["states"]["state"][0], obs)
         assert (our_reward[0], our_terminated[0]) == (reward, terminated)
         if terminated:
             endings += 1
@@ -8132,13 +8241,13 @@ def test_gym_cartpoles_choices_push_the_cart_as_they_push_gymnasiums_own_cartpol
     rng, endings = np.random.default_rng(0), 0
     for _ in range(300):
         choices = rng.integers(0, 2, 2)  # each environment its own
-        speed = executor.obs["state"][:, 1].copy()  # x'
+        speed = executor.obs["states"]["state"][:, 1].copy()  # x'
         obs, reward, terminated, truncated, _ = executor.step(choices.reshape(2, 1, 1))
         for i, choice in enumerate(choices.tolist()):
             expected, expected_reward, ended, cut, _ = theirs[i].step(choice)
-            np.testing.assert_array_equal(obs["state"][i], expected)
+            np.testing.assert_array_equal(obs["states"]["state"][i], expected)
             assert (reward[i], terminated[i], truncated[i]) == (expected_reward, ended, cut)
-            assert np.sign(obs["state"][i, 1] - speed[i]) == (1 if choice == 1 else -1)  # 0 pushes left, 1 right
+            assert np.sign(obs["states"]["state"][i, 1] - speed[i]) == (1 if choice == 1 else -1)  # 0 pushes left, 1 right
         for i in np.flatnonzero(terminated | truncated):
             executor.reset([i])
             same_start(i)
@@ -8283,7 +8392,7 @@ def test_gym_module_colon_id_imports_the_module_that_registers_the_env(tmp_path,
         " max_episode_steps=5)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     env = make_env("gym:plugrl_test_gym_module:PlugrlFromModule-v0", 1, seed=0)
-    assert env.obs_spec == {"state": ((3,), "float32")} and env.max_steps == 5
+    assert env.obs_spec == {"images": {}, "states": {"state": ((3,), "float32")}} and env.max_steps == 5
 
 
 GYM_MODULE = '''
@@ -8350,19 +8459,40 @@ def test_a_box_image_observation_is_the_key_image_and_stays_uint8_h_w_c():
     from gymnasium.spaces import Box
     core = core_env_class(Box(0, 255, (6, 8, 3), np.uint8), lambda t: np.full((6, 8, 3), 200 + t, np.uint8))
     env = make_env(register_once("PlugrlImage-v0", core), 2, seed=0)
-    assert env.obs_spec == {"image": ((6, 8, 3), "uint8")}
-    image = env.reset()["image"]
+    assert env.obs_spec == {"images": {"image": ((6, 8, 3), "uint8")}, "states": {}}
+    image = env.reset()["images"]["image"]
     assert image.dtype == np.uint8 and image.shape == (2, 6, 8, 3) and image.max() == 200
 
 
-@pytest.mark.parametrize("shape, layout", [((3, 8, 6), "CHW"), ((8, 6), "HW")])
-def test_a_channel_first_or_2d_uint8_box_is_the_key_image_as_it_is_read_by_its_layout(shape, layout):
+def test_a_channel_first_uint8_box_is_the_camera_image_transposed_to_h_w_c():
     gymnasium_or_skip()
     from gymnasium.spaces import Box
-    core = core_env_class(Box(0, 255, shape, np.uint8), lambda t: np.full(shape, 200 + t, np.uint8))
-    env = make_env(register_once(f"PlugrlImage{layout}-v0", core), 2, seed=0)
-    assert env.obs_spec == {"image": (shape, "uint8")} and env.reset()["image"].shape == (2, *shape)
-    assert plugrl_min.ObsEncoder(env.obs_spec).layouts == {"image": layout}
+    picture = np.arange(3 * 8 * 6, dtype=np.uint8).reshape(3, 8, 6)  # [c, h, w]
+    core = core_env_class(Box(0, 255, (3, 8, 6), np.uint8), lambda t: picture)
+    env = make_env(register_once("PlugrlImageCHW-v0", core), 2, seed=0)
+    assert env.obs_spec == {"images": {"image": ((8, 6, 3), "uint8")}, "states": {}}
+    np.testing.assert_array_equal(env.reset()["images"]["image"][1], picture.transpose(1, 2, 0))
+
+
+def test_a_2d_uint8_box_is_a_state_not_a_camera():
+    gymnasium_or_skip()
+    from gymnasium.spaces import Box
+    core = core_env_class(Box(0, 255, (8, 6), np.uint8), lambda t: np.full((8, 6), 200 + t, np.uint8))
+    env = make_env(register_once("PlugrlImageHW-v0", core), 2, seed=0)
+    assert env.obs_spec == {"images": {}, "states": {"state": ((8, 6), "uint8")}}
+    assert env.reset()["states"]["state"].shape == (2, 8, 6)
+
+
+def test_a_text_entry_of_a_dict_is_the_observations_text():
+    gymnasium_or_skip()
+    from gymnasium.spaces import Box, Dict, Text
+    space = Dict({"goal": Text(20), "position": Box(-1, 1, (2,))})
+    core = core_env_class(space, lambda t: {"goal": f"reach {t}", "position": np.zeros(2, np.float32)})
+    env = make_env(register_once("PlugrlText-v0", core), 2, seed=0)
+    assert env.obs_spec == {"images": {}, "states": {"position": ((2,), "float32")}}
+    assert env.reset()["text"].tolist() == ["reach 0", "reach 0"]
+    obs = env.step(np.zeros((2, 1), np.float32))[0]
+    assert obs["text"].dtype.kind == "U" and obs["text"].tolist() == ["reach 1", "reach 1"]
 
 
 @pytest.mark.parametrize("low, high", [(-np.inf, np.inf), (0.0, np.inf)])
@@ -8387,18 +8517,19 @@ def test_a_float64_box_observation_stays_float64_with_its_shape():
 
     core = core_env_class(Box(-10, 10, (2, 2), np.float64), lambda t: np.full((2, 2), fine))
     env = make_env(register_once("PlugrlFloat64-v0", core), 1, seed=0)
-    assert env.obs_spec == {"state": ((2, 2), "float64")}
-    state = env.reset()["state"]
+    assert env.obs_spec == {"images": {}, "states": {"state": ((2, 2), "float64")}}
+    state = env.reset()["states"]["state"]
     assert state.dtype == np.float64 and state.shape == (1, 2, 2) and state[0, 0, 0] == fine
 
 
 def test_a_dict_observation_gives_one_key_per_entry_each_in_its_dtype():
     env = make_env(dict_image_env(), 2, seed=0)
-    assert env.obs_spec == {"camera": ((8, 8, 3), "uint8"), "position": ((2,), "float32")}
+    assert env.obs_spec == {"images": {"camera": ((8, 8, 3), "uint8")}, "states": {"position": ((2,), "float32")}}
     env.reset()
     obs = env.step(np.zeros((2, 1), np.float32))[0]
-    assert obs["camera"].dtype == np.uint8 and obs["camera"].shape == (2, 8, 8, 3) and obs["camera"].max() == 1
-    assert obs["position"].tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    camera = obs["images"]["camera"]
+    assert camera.dtype == np.uint8 and camera.shape == (2, 8, 8, 3) and camera.max() == 1
+    assert obs["states"]["position"].tolist() == [[1.0, 1.0], [1.0, 1.0]] and obs["text"].tolist() == ["", ""]
 
 
 def test_a_dict_nested_in_a_dict_is_joined_as_outer_dot_inner():
@@ -8411,9 +8542,9 @@ def test_a_dict_nested_in_a_dict_is_joined_as_outer_dot_inner():
                 "goal": np.array([4, 5], np.float32)}
 
     env = make_env(register_once("PlugrlNested-v0", core_env_class(space, observe)), 1, seed=0)
-    obs = env.reset()
-    assert sorted(obs) == ["arm.angle", "arm.speed", "goal"]
-    assert [obs[key].tolist() for key in sorted(obs)] == [[[1, 2]], [[3]], [[4, 5]]]
+    states = env.reset()["states"]
+    assert sorted(states) == ["arm.angle", "arm.speed", "goal"]
+    assert [states[key].tolist() for key in sorted(states)] == [[[1, 2]], [[3]], [[4, 5]]]
 
 
 def test_a_dict_nested_two_levels_is_refused_in_one_line_naming_the_entry():
@@ -8432,9 +8563,9 @@ def test_a_discrete_observation_is_a_one_hot_float32():
     from gymnasium.spaces import Discrete
     core = core_env_class(Discrete(4, start=10), lambda t: 10 + (2 + t) % 4)
     env = make_env(register_once("PlugrlDiscrete-v0", core), 1, seed=0)
-    assert env.obs_spec == {"state": ((4,), "float32")}
-    assert env.reset()["state"].tolist() == [[0, 0, 1, 0]]
-    assert env.step(np.zeros((1, 1), np.float32))[0]["state"].tolist() == [[0, 0, 0, 1]]
+    assert env.obs_spec == {"images": {}, "states": {"state": ((4,), "float32")}}
+    assert env.reset()["states"]["state"].tolist() == [[0, 0, 1, 0]]
+    assert env.step(np.zeros((1, 1), np.float32))[0]["states"]["state"].tolist() == [[0, 0, 0, 1]]
 
 
 def test_a_tuple_observation_is_refused_before_serving_in_one_line_naming_it():
@@ -8455,7 +8586,7 @@ class PictureSide(plugrl_min.VecEnv):
     """One decision an episode, rewarded a * side: the picture's bright half says the side, -1 or 1, and
     the position says nothing. Random or blind actions average 0; a policy that reads the picture, 1."""
 
-    obs_spec = {"camera": ((8, 8, 3), "uint8"), "position": ((2,), "float32")}
+    obs_spec = {"images": {"camera": ((8, 8, 3), "uint8")}, "states": {"position": ((2,), "float32")}}
     action_dim, max_steps = 1, 1
 
     def __init__(self, num_envs, seed=None):
@@ -8473,7 +8604,8 @@ class PictureSide(plugrl_min.VecEnv):
         camera = np.zeros((self.num_envs, 8, 8, 3), np.uint8)
         camera[self.side < 0, :, :4] = 255
         camera[self.side > 0, :, 4:] = 255
-        return {"camera": camera, "position": np.zeros((self.num_envs, 2), np.float32)}
+        return observation(self.num_envs, states={"position": np.zeros((self.num_envs, 2), np.float32)},
+                           images={"camera": camera})
 
 
 @pytest.mark.parametrize("uid, least", [("pg", 0.8), ("sac", 0.4)])
@@ -9073,7 +9205,7 @@ def test_handout_the_readme_two_client_trace_shows_a_stale_frame_right_after_a_l
 @handout
 def test_handout_the_readme_own_environment_trains_as_shown(tmp_path, plugins_in_process, monkeypatch):
     write_plugin(tmp_path, "plugrl_test_my_env", readme_block("## Your own environment"))
-    words = readme_command("import numpy as np\nfrom plugrl_min import VecEnv, register_env")
+    words = readme_command("import numpy as np\nfrom plugrl_min import VecEnv, observation, register_env")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # for the local client; the server runs in this process
     # Seeded, on one learn thread: unseeded, about one run in ten left pg where it began (-8.7).
     status, _, err = run_main(*in_a_test(words[1:], tmp_path), "--seed", "1", "--learn-threads", "1")
@@ -9106,7 +9238,7 @@ def test_the_readmes_table_of_environments_agrees_with_the_code():
     assert [row[0] for row in rows] == ["dummy-v1", "pendulum-v1", "cartpole-v1"]
     for env_id, size, length, kind, count in rows:
         env = plugrl_min.ENVIRONMENTS[env_id]
-        assert env.obs_spec == {"state": ((int(size),), "float32")} and env.max_steps == int(length), env_id
+        assert env.obs_spec == {"states": {"state": ((int(size),), "float32")}} and env.max_steps == int(length), env_id
         assert (env.num_actions, env.action_dim) == ((None, int(count)) if kind == "continuous" else (int(count), 1))
 
 
@@ -9142,7 +9274,7 @@ def test_the_readmes_sac_seed_1_is_one_run_with_one_figure():
 
 @wire
 def test_the_readmes_hex_dump_of_an_infer_frame_is_what_pack_message_writes_at_the_offsets_it_gives():
-    frame = pack_message(infer_message([0], obs={"state": np.array([[0.5, -1.0, 2.0]], np.float32)}))
+    frame = pack_message(infer_message([0], obs=observation(1, states={"state": np.array([[0.5, -1.0, 2.0]], np.float32)})))
     lines = re.findall(r"^([0-9a-f]{4})  ((?:[0-9a-f]{2} )*[0-9a-f]{2})", readme_block("A hex dump of one small"), re.M)
     assert b"".join(bytes.fromhex(line) for _, line in lines) == frame
     offsets = [int(offset, 16) for offset, _ in lines]
@@ -9545,7 +9677,7 @@ class PController(Controller):
         self.kp = kp
 
     def __call__(self, obs, decision, state):
-        return np.clip(self.kp * (decision[:, 0] - obs["state"][:, 0]), -1, 1)[:, None], state
+        return np.clip(self.kp * (decision[:, 0] - obs["states"]["state"][:, 0]), -1, 1)[:, None], state
 
 
 builtin = plugrl_min.make_controller
@@ -9560,12 +9692,12 @@ plugrl_min.make_controller = make_controller
 
 EXERCISE_CHASE = '''
 import numpy as np
-from plugrl_min import VecEnv, register_env
+from plugrl_min import VecEnv, observation, register_env
 
 
 @register_env("my-chase-v0")
 class MyChase(VecEnv):
-    obs_spec = {"state": ((3,), "float32")}
+    obs_spec = {"states": {"state": ((3,), "float32")}}
     action_dim, max_steps = 1, 20
 
     def __init__(self, num_envs, seed=None):
@@ -9585,7 +9717,7 @@ class MyChase(VecEnv):
 
     def _observe(self):
         state = np.stack([self.x, self.target, self.target - self.x], axis=1)
-        return {"state": state.astype(np.float32)}
+        return observation(self.num_envs, states={"state": state.astype(np.float32)})
 '''
 
 EXERCISE_DQN = '''# SPDX-License-Identifier: MIT
@@ -9666,7 +9798,7 @@ class DQN(BaseAlgorithm):
         self.device = policy.device
         self.q = policy.logits  # the raw MLP output: one Q-value per action (not log-probabilities)
         self.q_target = copy.deepcopy(self.q).requires_grad_(False)
-        self.buffer = ReplayBuffer(config.buffer_size, tuple(policy.obs_spec["state"][0]))
+        self.buffer = ReplayBuffer(config.buffer_size, tuple(policy.obs_spec["states"]["state"][0]))
         self.last = {}
         self.optimizer = None
 
@@ -9681,7 +9813,7 @@ class DQN(BaseAlgorithm):
     @torch.inference_mode()
     def infer(self, obs: dict) -> tuple[np.ndarray, dict]:
         """Epsilon-greedy on the Q-values."""
-        state = torch.from_numpy(obs["state"]).to(self.device)
+        state = torch.from_numpy(obs["states"]["state"]).to(self.device)
         greedy = self.q(state).argmax(dim=1).cpu()
         n = len(greedy)
         explore = torch.rand(n) < self.epsilon()
@@ -9695,8 +9827,8 @@ class DQN(BaseAlgorithm):
     def feedback(self, *, obs, runtime_state, train_state=None, terminated, truncated, next_obs,
                  reward, info, next_terminated, next_truncated, prev_node):
         self.record_finished_episode(info, next_terminated, next_truncated)
-        self.buffer.add(obs["state"], int(np.asarray(train_state["action"]).reshape(-1)[0]),
-                        float(np.sum(reward)), next_obs["state"], next_terminated)
+        self.buffer.add(obs["states"]["state"], int(np.asarray(train_state["action"]).reshape(-1)[0]),
+                        float(np.sum(reward)), next_obs["states"]["state"], next_terminated)
         self.global_step += 1
         return prev_node, self.global_step, {}
 
@@ -10325,7 +10457,7 @@ def seconds(code, message, number):
 
 out = {}
 for n in (1, 64):
-    messages = [dict(m, obs={"state": m["obs"]["state"]}) if "obs" in m else m for m in step_messages(n)]
+    messages = [dict(m, obs={"state": m["obs"]["states"]["state"]}) if "obs" in m else m for m in step_messages(n)]
     out[n] = [1e6 * sum(seconds(lambda m: p.unpack_message(p.pack_message(m)), m, 2000) for m in messages),
               1e6 * sum(seconds(lambda m: unpack(pack(m)), m, 2000) for m in messages)]
 camera = {"message_type": "infer", "env_indices": np.arange(1), "obs": step_messages(1)[0]["obs"]}
@@ -10399,7 +10531,7 @@ class BlindCamera(Camera):
 
     def _observe(self):
         obs = super()._observe()
-        obs["image"][:] = 0
+        obs["images"]["image"][:] = 0
         return obs
 '''
 
