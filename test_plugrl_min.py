@@ -8608,11 +8608,39 @@ class PictureSide(plugrl_min.VecEnv):
                            images={"camera": camera})
 
 
-@pytest.mark.parametrize("uid, least", [("pg", 0.8), ("sac", 0.4)])
+def gym_picture_side() -> str:
+    """PictureSide as a Gymnasium Dict: a channel-first uint8 camera [3, 8, 8] and a position."""
+    gymnasium_or_skip()
+    import gymnasium
+    from gymnasium.spaces import Box, Dict
+
+    class GymPictureSide(gymnasium.Env):
+        observation_space = Dict({"camera": Box(0, 255, (3, 8, 8), np.uint8),
+                                  "position": Box(-1, 1, (2,), np.float32)})
+        action_space = Box(-1, 1, (1,), np.float32)
+
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            self.side = self.np_random.choice([-1.0, 1.0])
+            camera = np.zeros((3, 8, 8), np.uint8)
+            camera[:, :, :4] = 255 * (self.side < 0)  # the bright half of its width: channel-first
+            camera[:, :, 4:] = 255 * (self.side > 0)
+            return {"camera": camera, "position": np.zeros(2, np.float32)}, {}
+
+        def step(self, action):
+            reward = float(np.clip(action[0], -1, 1) * self.side)
+            return self.reset()[0], reward, True, False, {"is_success": reward > 0}
+
+    return register_once("PlugrlPictureSide-v0", GymPictureSide)
+
+
+@pytest.mark.parametrize("uid, least, env", [("pg", 0.8, "VecEnv"), ("sac", 0.4, "VecEnv"), ("pg", 0.8, "gym")])
 @wire
-def test_pg_and_sac_learn_over_the_wire_a_task_only_the_picture_solves(tmp_path, monkeypatch, uid, least):
+def test_pg_and_sac_learn_over_the_wire_a_task_only_the_picture_solves(tmp_path, monkeypatch, uid, least, env):
     monkeypatch.setitem(plugrl_min.ENVIRONMENTS, "plugrl-test-picture-v0", PictureSide)
-    spec = plugrl_min.obs_spec_as_json(PictureSide.obs_spec)
+    env_id = "plugrl-test-picture-v0" if env == "VecEnv" else gym_picture_side()
+    spec = plugrl_min.obs_spec_as_json(make_env(env_id).obs_spec)
+    assert spec == plugrl_min.obs_spec_as_json(PictureSide.obs_spec)  # a camera [8, 8, 3] and a position
     torch.manual_seed(1)
     policy = make_policy("dummy-policy", plugrl_min.DummyPolicyConfig(hidden_size=32, obs_spec=spec))
     config = (plugrl_min.PGConfig(global_steps=3000, frames_per_learn=64, policy_lr=3e-3) if uid == "pg" else
@@ -8621,7 +8649,7 @@ def test_pg_and_sac_learn_over_the_wire_a_task_only_the_picture_solves(tmp_path,
     algo.init_optimizers()
 
     async def script(port, server):
-        return await env_client_in_process("plugrl-test-picture-v0", "--server-port", port, "--num-envs", "16",
+        return await env_client_in_process(env_id, "--server-port", port, "--num-envs", "16",
                                            "--num-episodes", "0", "--seed", "1")
 
     threads = torch.get_num_threads()
