@@ -98,8 +98,8 @@ async def train_in_process(server: Server, executor: MultiAction) -> None:
         # The decision, executed in every environment (the client: run_episodes).
         next_obs, reward, terminated, truncated, info = executor.step(action)
         # Each frame to feedback() or discard_feedback(), by the routing rule.
-        feedback = {"obs": next_obs, "reward": reward, "terminated": terminated,
-                    "truncated": truncated, "info": episode_info(info)}  # as the client sends it
+        feedback = {"obs": next_obs, "rewards": reward, "terminated": terminated,
+                    "truncated": truncated, "info": episode_info(info)}  # a feedback's data
         steps = [StepState(batch, i) for i in range(n)]
         server.route_feedback(FeedbackMessage(conn, frames_of(range(n), slots, steps, feedback)))
         if await learn_and_save(server):
@@ -140,14 +140,18 @@ async def run_episodes(ws, executor, num_episodes: int, tally: dict) -> None:
     closed_loop = isinstance(executor, ClosedLoopMultiAction)
     check_metadata(unpack_message(await ws.recv()), executor, closed_loop)
     env_indices = np.arange(executor.env.num_envs, dtype=np.int64)
+    step_ids = np.zeros_like(env_indices)  # each episode's decisions so far; the server reads none
     infer = {"message_type": "infer", "env_indices": env_indices}
-    await ws.send(pack_message({**infer, "obs": executor.obs}))
+    await ws.send(pack_message({**infer, "data": executor.obs, "step_ids": step_ids}))
     while True:
         reply = unpack_message(await ws.recv())
         if reply.get("message_type") == "error":
             raise CommandError(f"the server refused a message: {reply['message']} "
                                f"(hint: {reply['hint']})")
-        action = reply["action"]  # [n, H, action_dim]
+        # Time-major on the wire, [H, n, ...]; the executor takes [n, H, action_dim].
+        action = np.moveaxis(reply["data"]["action"], 0, 1)
+        if executor.env.num_actions is not None:
+            action = action[..., None]  # a discrete action is [H, n] on the wire
         if closed_loop:
             action = action[:, 0]  # one decision [n, decision_dim]
         obs, reward, terminated, truncated, info = executor.step(action)
@@ -155,13 +159,14 @@ async def run_episodes(ws, executor, num_episodes: int, tally: dict) -> None:
         tally["returns"] += episode["r"][episode["mask"]].tolist()
         tally["env_steps"] += int(info["executed_steps"].sum())  # the client's count, not sent
         tally["decisions"] += len(env_indices)
-        feedback = {"message_type": "feedback", "env_indices": env_indices, "obs": obs,
-                    "reward": reward, "terminated": terminated, "truncated": truncated,
-                    "info": episode_info(info)}
+        feedback = {"message_type": "feedback", "env_indices": env_indices, "step_ids": step_ids,
+                    "data": {"obs": obs, "rewards": reward, "terminated": terminated,
+                             "truncated": truncated, "info": episode_info(info)}}
         frame = pack_message(feedback)  # its bytes: the observations the episodes ended on
         # Reset what finished before the send: the next infer starts the new episodes, and a
         # connection lost in the send leaves no finished environment to be stepped again.
         done = terminated | truncated
+        step_ids = np.where(done, 0, step_ids + 1)
         if done.any():
             executor.reset(np.flatnonzero(done))
         if num_episodes and len(tally["returns"]) >= num_episodes:  # 0: until the run ends
@@ -169,7 +174,7 @@ async def run_episodes(ws, executor, num_episodes: int, tally: dict) -> None:
             return
         # The next infer is packed first, so that the two frames leave back to back and the
         # server reads them at once: one pass of its loop for both, not one each.
-        next_infer = pack_message({**infer, "obs": executor.obs})
+        next_infer = pack_message({**infer, "data": executor.obs, "step_ids": step_ids})
         await ws.send(frame)
         await ws.send(next_infer)
 
@@ -350,7 +355,7 @@ class Server:
                     raise ProtocolError(f"infer: environment {i} {owes}",
                                         "send feedback after every action, then infer")
                 slot.waiting = True
-            return InferRequest(conn, message["env_indices"], message["obs"])
+            return InferRequest(conn, message["env_indices"], message["data"])
         slots = [conn.slots.get(i) for i in env_ids]
         steps = [slot and slot.step for slot in slots]
         if None in steps:
@@ -358,7 +363,7 @@ class Server:
                                 "answer", "send feedback only for environments given an action")
         for slot in slots:
             slot.step = None
-        return FeedbackMessage(conn, frames_of(env_ids, slots, steps, message))
+        return FeedbackMessage(conn, frames_of(env_ids, slots, steps, message["data"]))
 
     async def control_loop(self) -> None:
         """Route feedback; learn while should_learn(); save; stop; answer the waiting infers."""
@@ -396,8 +401,10 @@ class Server:
                 slot.waiting = False
                 slot.step = StepState(batch, row)
                 row += 1
-            reply = {"message_type": "action", "env_indices": request.env_indices,
-                     "action": action[first:row]}
+            rows = action[first:row]  # [n, H, action_dim]; a discrete action is [H, n] on the wire
+            rows = rows[..., 0] if self.algo.policy.num_actions is not None else rows
+            reply = {"message_type": "action",  # time-major on the wire: [H, n, ...]
+                     "data": {"env_ids": request.env_indices, "action": np.moveaxis(rows, 0, 1)}}
             with contextlib.suppress(ConnectionClosed):
                 await request.conn.ws.send(pack_message(reply))
         # Each environment's rows, cut once for the whole batch (views, not copies; a 1-d field's
@@ -1420,9 +1427,10 @@ def join_rows(trees: list, join=np.concatenate):
 
 def split_rows(tree, n: int) -> list:
     """[slice_rows(tree, i) for i in range(n)], one array at a time (the plain form indexes
-    every array once per row). Rows of arrays are views; a 1-d array gives Python numbers."""
-    if tree is None:
-        return [None] * n
+    every array once per row). Rows of arrays are views; a 1-d array gives Python numbers; any
+    other value (a number, a str beside the arrays of an info) goes to every row (SPEC 5.4)."""
+    if not isinstance(tree, (dict, np.ndarray)):
+        return [tree] * n
     if not isinstance(tree, dict):
         return tree.tolist() if tree.ndim == 1 else list(tree)
     rows = [{} for _ in range(n)]
@@ -1433,11 +1441,11 @@ def split_rows(tree, n: int) -> list:
 
 
 def frames_of(env_ids, slots: list, steps: list, feedback: dict) -> list[Frame]:
-    """A feedback message's frames, one per environment: each its row of every field (accept,
-    and train_in_process with the feedback it would have sent)."""
+    """A feedback's frames, one per environment: each its row of every field of the message's
+    data (accept, and train_in_process with the data it would have sent)."""
     m = len(slots)
     rows = zip(env_ids, slots, steps, split_rows(feedback["obs"], m),
-               split_rows(feedback["reward"], m),  # floats, or [k] rows
+               split_rows(feedback["rewards"], m),  # floats, or [k] rows in-process
                feedback["terminated"].tolist(), feedback["truncated"].tolist(),
                split_rows(feedback.get("info", {}), m))
     return [Frame(*row) for row in rows]
@@ -2532,15 +2540,16 @@ def start(argv: list[str]) -> Serving:
 # passed. Then the feedback timeout and the token. A first reading skips these.
 
 def metadata_of(policy: BaseTorchPolicy, obs_spec: dict, names: tuple[str, str]) -> dict:
-    """The metadata message: what the policy reads (obs_spec, as obs_spec_of writes it) and
-    what it acts, for a client to check."""
-    return {"message_type": "metadata", "protocol_version": PROTOCOL_VERSION,
-            "policy": names[0], "algorithm": names[1],
-            "obs_spec": {group: {key: {"shape": list(shape), "dtype": dtype.str}
-                                 for key, (shape, dtype) in keys.items()}
-                         for group, keys in obs_spec.items()},
-            "action_dim": policy.action_dim, "num_actions": policy.num_actions,
-            "action_horizon": policy.action_horizon}
+    """The metadata message (SPEC 5.1): PlugRL's keys, then this server's own beside them: what
+    the policy reads (obs_spec, as obs_spec_of writes it) and its number of choices."""
+    return {"message_type": "metadata", "data": {
+        "protocol_version": PROTOCOL_VERSION, "server": "plugrl_min", "algorithm": names[1],
+        "policy": names[0], "action_horizon": policy.action_horizon,
+        "action_dim": policy.action_dim, "features": [],
+        "obs_spec": {group: {key: {"shape": list(shape), "dtype": dtype.str}
+                             for key, (shape, dtype) in keys.items()}
+                     for group, keys in obs_spec.items()},
+        "num_actions": policy.num_actions}}
 
 
 MISSING = object()  # what message.get(field, MISSING) gives for a field left out
@@ -2567,7 +2576,8 @@ def is_array(value, kinds: str, shape: tuple) -> bool:
 
 
 def check_message(message: dict, obs_spec: dict) -> tuple[str, list]:
-    """Check an infer or feedback message field by field: (message_type, env_indices as ints)."""
+    """Check an infer or feedback message field by field (SPEC 5.2, 5.4): (message_type,
+    env_indices as ints). Its data's observation becomes what the policy is given (check_obs)."""
     kind = message.get("message_type")
     if kind not in ("infer", "feedback"):
         raise ProtocolError(f"message_type must be 'infer' or 'feedback'; got {str(kind)[:40]!r}")
@@ -2579,38 +2589,56 @@ def check_message(message: dict, obs_spec: dict) -> tuple[str, list]:
     if len(set(env_ids)) != n or min(env_ids, default=0) < 0:
         raise ProtocolError(f"{kind}.env_indices must be distinct and non-negative; got "
                             f"{str(env_ids)[:60]}", "send each environment once per message")
-    message["obs"] = check_obs(message.get("obs", MISSING), obs_spec, n, f"{kind}.obs")
+    step_ids = message.get("step_ids", MISSING)  # checked as the SPEC asks; nothing reads it
+    if not (isinstance(step_ids, np.ndarray) and step_ids.dtype.kind in "iu"
+            and step_ids.shape == (n,)):
+        raise mismatch(f"{kind}.step_ids", f"int64 [{n}]", step_ids)
+    data = message.get("data", MISSING)
     if kind == "infer":
+        message["data"] = check_obs(data, obs_spec, n, "infer.data")
         return kind, env_ids
-    reward = message.get("reward", MISSING)
-    if not (isinstance(reward, np.ndarray) and reward.dtype in (np.float32, np.float64)
-            and reward.ndim in (1, 2) and len(reward) == n):
-        raise mismatch("feedback.reward", f"float32 or float64 [m] or [m, k] with m = {n}", reward)
+    if not isinstance(data, dict):
+        raise mismatch("feedback.data", "a map of obs, rewards, terminated, truncated, info", data)
+    data["obs"] = check_obs(data.get("obs", MISSING), obs_spec, n, "feedback.data.obs")
+    check_outcome(data, n)
+    return kind, env_ids
+
+
+def check_outcome(data: dict, n: int) -> None:
+    """A feedback's rewards [m] (each decision's sum), flags and info: split per environment by
+    SPEC 5.4's rule, each array [m, ...], a number or a str beside them given to every one."""
+    rewards = data.get("rewards", MISSING)
+    if not is_array(rewards, "f", (n,)):
+        raise mismatch("feedback.data.rewards", f"float [m] with m = {n}", rewards)
     for name in ("terminated", "truncated"):
-        flags = message.get(name, MISSING)
+        flags = data.get(name, MISSING)
         if not is_array(flags, "b", (n,)):
-            raise mismatch(f"feedback.{name}", f"bool [m] with m = {n}", flags)
-    info = message.get("info", {})
+            raise mismatch(f"feedback.data.{name}", f"bool [m] with m = {n}", flags)
+    info = data.get("info", {})
     if not isinstance(info, dict):
-        raise mismatch("feedback.info", "a dict of arrays [m, ...], or left out", info)
-    finite = {"feedback.reward": reward}  # what the algorithm stores them as: float32
+        raise mismatch("feedback.data.info", "a map, {} for nothing", info)
+    finite = {"feedback.data.rewards": rewards}  # what the algorithm stores them as: float32
     if "episode" in info:
         episode = info["episode"]
         if not isinstance(episode, dict):
-            raise mismatch("feedback.info.episode", "a dict of r, l, s and mask", episode)
+            raise mismatch("feedback.data.info.episode", "a map of r, l, s and mask", episode)
         for key, kinds, dtype in (("r", "f", "float"), ("l", "iu", "int"),
                                   ("s", "b", "bool"), ("mask", "b", "bool")):
             value = episode.get(key, MISSING)
             if not is_array(value, kinds, (n,)):
-                raise mismatch(f"feedback.info.episode.{key}", f"{dtype} [m] with m = {n}", value)
-        finite["feedback.info.episode.r"] = episode["r"]
-    for path, leaf in _leaves(info, "feedback.info"):
-        if not (isinstance(leaf, np.ndarray) and leaf.shape[:1] == (n,)):
+                raise mismatch(f"feedback.data.info.episode.{key}", f"{dtype} [m] with m = {n}",
+                               value)
+        finite["feedback.data.info.episode.r"] = episode["r"]
+    arrays = [(path, leaf) for path, leaf in _leaves(info, "feedback.data.info")
+              if isinstance(leaf, np.ndarray)]
+    if info and not arrays and n != 1:  # no array to split by: one entry, not m (SPEC 5.4's gap)
+        raise mismatch("feedback.data.info", f"a map with an array [m, ...], m = {n}", info)
+    for path, leaf in arrays:
+        if leaf.shape[:1] != (n,):
             raise mismatch(path, f"an array [m, ...] with m = {n}", leaf)
     for field, array in finite.items():  # a float64 1e300 is infinity as a float32
         if not (np.abs(array) <= _FLOAT32_MAX).all():  # NaN compares false too
             raise ProtocolError(f"{field} holds NaN, infinity or a value beyond float32's range")
-    return kind, env_ids
 
 
 def check_obs(obs, obs_spec: dict, n: int, field: str) -> dict:
@@ -2985,24 +3013,32 @@ class ClosedLoopMultiAction(MultiAction):
 
 
 def check_metadata(meta: dict, executor, closed_loop: bool) -> None:
-    """Stop with a clear message when the server's policy cannot act in this environment."""
-    if meta.get("message_type") != "metadata" or meta.get("protocol_version") != PROTOCOL_VERSION:
-        raise CommandError(f"the server speaks protocol {meta.get('protocol_version')}, "
-                         f"this client {PROTOCOL_VERSION}")
+    """Stop with a clear message when the server's policy cannot act in this environment. What
+    the metadata's data leaves out is not checked: a PlugRL server need not say it (SPEC 5.1)."""
+    data = meta.get("data") if meta.get("message_type") == "metadata" else None
+    if not isinstance(data, dict) or data.get("protocol_version", 1) != PROTOCOL_VERSION:
+        version = data.get("protocol_version") if isinstance(data, dict) else None
+        raise CommandError(f"the server speaks protocol {version}, this client {PROTOCOL_VERSION}")
     if executor.stack_observations:  # a feedback observation is [m, ...], not [m, k, ...]
         raise CommandError("stack_observations gives a frame every physical step's observation, "
                            "which a feedback message does not carry: leave it out over the wire")
+    if executor.reward_aggregation != "sum":  # a feedback's rewards are each decision's sum
+        raise CommandError(f"--reward-aggregation {executor.reward_aggregation} is not what a "
+                           "feedback's rewards mean over the wire (each decision's sum): leave it "
+                           "at sum (MultiAction keeps the others for a loop of your own)")
     decision_dim = executor.controller.decision_dim if closed_loop else None
-    problem = misfit(meta, executor.env, decision_dim)
+    problem = misfit(data, executor.env, decision_dim)
     if problem is not None:
         raise CommandError(f"the server's policy does not fit this environment: {problem}")
 
 
 def misfit(meta: dict, env, decision_dim: int | None = None) -> str | None:
-    """Why the policy of a server's metadata cannot act in env (a VecEnv, or its class), with the
-    flag that would fix it; None if it can. decision_dim: a closed loop's, in place of env's."""
+    """Why the policy of a server's metadata data cannot act in env (a VecEnv, or its class),
+    with the flag that would fix it; None if it can, or if the metadata does not say.
+    decision_dim: a closed loop's, in place of env's."""
     try:
-        reads, gives = obs_spec_of(meta["obs_spec"]), obs_spec_of(env.obs_spec)
+        reads = obs_spec_of(meta.get("obs_spec", {}))
+        gives = obs_spec_of(env.obs_spec)
     except UsageError as error:  # an environment of the flat form fits no policy
         return str(error)
     for group, key in ((group, key) for group in GROUPS for key in sorted(reads[group])):
@@ -3015,6 +3051,8 @@ def misfit(meta: dict, env, decision_dim: int | None = None) -> str | None:
             return (f"observation {group}.{key}: the policy reads {dtype.name} {list(shape)}, this "
                     f"environment gives {gave} (serve with --local-env to size the policy from "
                     f"it, or --policy.obs-spec '{fits}')")
+    if "action_dim" not in meta:
+        return None
     theirs = action_space(meta["action_dim"], meta.get("num_actions"))
     needed = (action_space(decision_dim, None) if decision_dim
               else action_space(env.action_dim, env.num_actions))
@@ -3026,7 +3064,7 @@ def misfit(meta: dict, env, decision_dim: int | None = None) -> str | None:
         flag = (f"--policy.num-actions {env.num_actions}" if meta.get("num_actions")
                 else f"--policy.action-dim {decision_dim or env.action_dim}")
         return f"the policy's actions are {theirs}, this client needs {needed} (serve with {flag})"
-    if decision_dim and meta["action_horizon"] != 1:
+    if decision_dim and meta.get("action_horizon", 1) != 1:
         return f"a closed loop takes one decision, the policy sends {meta['action_horizon']}"
     return None
 
@@ -3867,7 +3905,7 @@ def choose_local_env(args: argparse.Namespace, server: Server, known) -> str | N
     registered environment that fits (None if none does). With local clients it must fit
     (known: known_environment's, made already)."""
     fits = [env_id for env_id, env in ENVIRONMENTS.items()  # in registration order
-            if misfit(server.metadata, env) is None]
+            if misfit(server.metadata["data"], env) is None]
     local_env = args.local_env or min(fits, key=lambda env_id: env_id != server.algo.example_env,
                                       default=None)  # the algorithm's own example first
     if not (args.local_env_clients or args.in_process):  # checked now, before any file
@@ -3883,7 +3921,7 @@ def choose_local_env(args: argparse.Namespace, server: Server, known) -> str | N
                          "and add --plugin MODULE (gym:MODULE:ID for a Gymnasium one)")
     env = known[1] if known and known[0] == local_env else make_env(
         local_env, kwargs=args.env_kwargs)
-    problem = misfit(server.metadata, env)
+    problem = misfit(server.metadata["data"], env)
     if problem is not None:
         raise UsageError(f"the server's policy does not fit {local_env}: {problem}")
     return local_env
@@ -4000,7 +4038,8 @@ def env_client_main(argv: list[str]) -> int:
         help="hold each decision for K physical steps, acted out by --controller")
     add("--controller", default="track", help="track (dummy-v1, pendulum-v1) (default: track)")
     add("--reward-aggregation", default="sum", choices=REWARD_AGGREGATIONS,
-        help="a decision's reward from its physical steps' (default: sum)")
+        help="a decision's reward from its physical steps'; over the wire only sum, what a "
+        "feedback's rewards are (default: sum)")
     add("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES,
         help=f"a larger frame from the server closes the connection (default: {MAX_MESSAGE_BYTES})")
     add_plugin_flag(add)

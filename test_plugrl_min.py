@@ -396,7 +396,7 @@ class Client:
         episode = {**{key: np.array(value) for key, value in episode.items()}, "mask": terminated | truncated}
         extra = {key: np.array(value, np.float32) for key, value in (extra_info or {}).items()}
         reward = np.zeros(m, np.float32) if reward is None else np.array(reward, np.float32)
-        await self.ws.send(pack_message(feedback_message(env_ids, tags, terminated, reward=reward,
+        await self.ws.send(pack_message(feedback_message(env_ids, tags, terminated, rewards=reward,
                                                          truncated=truncated, info={"episode": episode, **extra})))
 
     async def step(self, env_ids, tags, **feedback) -> dict:
@@ -658,15 +658,22 @@ def pg_algo(policy="dummy-policy", **overrides):
 # --- What the wire says, each thing in one place: the messages, an action's rows, the closes -------
 # Tests build and read messages only through these, so a change of the wire changes them, not the tests.
 
+DATA_FIELDS = ("obs", "rewards", "terminated", "truncated", "info")  # a feedback's, in its data (SPEC 5.4)
+
+
 def infer_message(env_ids=(0,), tags=None, **fields) -> dict:
-    """An infer for env_ids, their observations tagged `tags` (7.0 each by default); fields replace or add."""
+    """An infer for env_ids, their observations tagged `tags` (7.0 each by default); fields replace or add
+    (obs: its data, the observation)."""
     tags = [7.0] * len(env_ids) if tags is None else tags
-    return {"message_type": "infer", "env_indices": np.array(env_ids, np.int64), "obs": obs_of(tags), **fields}
+    message = {"message_type": "infer", "data": obs_of(tags), "env_indices": np.array(env_ids, np.int64),
+               "step_ids": np.zeros(len(env_ids), np.int64)}
+    return with_changes(message, **fields)
 
 
 def feedback_message(env_ids=(0,), tags=None, terminated=False, episode=None, **fields) -> dict:
-    """A well-formed feedback, as the env client sends it: reward 0, info['episode'] = r, l, s and mask (by
-    default an episode of return -3 and 5 steps where `terminated`); fields replace or add."""
+    """A well-formed feedback, as the env client sends it: rewards 0, info['episode'] = r, l, s and mask (by
+    default an episode of return -3 and 5 steps where `terminated`); fields replace or add, those of its
+    data (DATA_FIELDS) in its data."""
     m = len(env_ids)
     done = np.broadcast_to(np.array(terminated, bool), (m,)).copy()
     if episode is None:
@@ -674,31 +681,54 @@ def feedback_message(env_ids=(0,), tags=None, terminated=False, episode=None, **
     episode = {key: np.asarray(value) for key, value in episode.items()}
     episode.setdefault("mask", done.copy())
     tags = [7.0] * m if tags is None else tags
-    return {"message_type": "feedback", "env_indices": np.array(env_ids, np.int64), "obs": obs_of(tags),
-            "reward": np.zeros(m, np.float32), "terminated": done, "truncated": np.zeros(m, bool),
-            "info": {"episode": episode}, **fields}
+    data = {"obs": obs_of(tags), "rewards": np.zeros(m, np.float32), "terminated": done,
+            "truncated": np.zeros(m, bool), "info": {"episode": episode}}
+    message = {"message_type": "feedback", "env_indices": np.array(env_ids, np.int64),
+               "step_ids": np.zeros(m, np.int64), "data": data}
+    return with_changes(message, **fields)
+
+
+def with_changes(message: dict, **changes) -> dict:
+    """A copy of message with fields replaced, a feedback's DATA_FIELDS in its data and an infer's obs as its
+    data (a value of ... removes the field)."""
+    message = dict(message)
+    data = dict(message["data"]) if message["message_type"] == "feedback" else None
+    for key, value in changes.items():
+        if data is not None and key in DATA_FIELDS:
+            data[key] = value
+        else:
+            message["data" if key == "obs" else key] = value
+    if data is not None:
+        message["data"] = {key: value for key, value in data.items() if value is not ...}
+    return {key: value for key, value in message.items() if value is not ...}
 
 
 def metadata_message(**fields) -> dict:
     """The metadata a server sends first, dummy-policy's (obs [3], one continuous action); fields replace."""
-    return {"message_type": "metadata", "protocol_version": 1, "action_dim": 1, "num_actions": None,
-            "action_horizon": 1, "obs_spec": {"images": {}, "states": {"state": {"shape": [3], "dtype": "<f4"}}}, **fields}
+    data = {"protocol_version": 1, "server": "plugrl_min", "action_dim": 1, "num_actions": None,
+            "action_horizon": 1, "features": [],
+            "obs_spec": {"images": {}, "states": {"state": {"shape": [3], "dtype": "<f4"}}}}
+    return {"message_type": "metadata", "data": {**data, **fields}}
 
 
 def action_message(env_ids, action) -> dict:
-    """The action a server sends for env_ids: action [n, H, *da], the policy's shape."""
-    return {"message_type": "action", "env_indices": np.asarray(env_ids, np.int64), "action": action}
+    """The action a server sends for env_ids: action [n, H, *da], the policy's shape, time-major on the wire."""
+    action = np.asarray(action)
+    return {"message_type": "action", "data": {"env_ids": np.asarray(env_ids, np.int64),
+                                                "action": np.moveaxis(action, 0, 1)}}
 
 
 def actions_of(reply: dict) -> np.ndarray:
-    """An action reply's actions in the policy's shape, [n, H, *da] (row i: the infer's i-th environment)."""
+    """An action reply's actions in the policy's shape, [n, H, *da] (row i: the infer's i-th environment);
+    a discrete action ([H, n] on the wire) as [n, H, 1]."""
     assert reply["message_type"] == "action", reply
-    return reply["action"]
+    action = np.moveaxis(reply["data"]["action"], 0, 1)
+    return action[..., None] if action.ndim == 2 else action
 
 
 def env_ids_of(reply: dict) -> list[int]:
     """The environments an action reply is for, in its rows' order."""
-    return reply["env_indices"].tolist()
+    return reply["data"]["env_ids"].tolist()
 
 
 RUN_END = (1000, "run finished")  # (close code, reason) of every connection when the run ends
@@ -1063,15 +1093,12 @@ class StackSteps(plugrl_min.DummyEnv):
         return 10.0 * (rows + 1) + t, ended, ended
 
 
-@wire
-def test_wire_stack_rewards_reach_feedback_as_each_env_earned_them_step_by_step(tmp_path, monkeypatch):
-    monkeypatch.setitem(plugrl_min.ENVIRONMENTS, "stack-steps-v0", StackSteps)
-    summary, counts, server = _run_over_the_wire(tmp_path, 4, 2, episodes=6, mode="stack", env_id="stack-steps-v0")
-    # K = 4. Decision 1: env 0 ends after 2 steps while env 1 runs all 4: env 0's row is zero-filled to K.
-    # Decision 2: env 0 ends after 2, env 1 after 1: every env stopped early, so 2 columns and one trailing zero.
-    first, second = [[11, 12, 0, 0], [21, 22, 23, 24]], [[11, 12, 0], [25, 0, 0]]
-    assert summary["decisions"] == 8 and server.discarded == 0  # 4 decisions, all fed
-    assert counts["rewards"] == (first + second) * 2  # frames in order: decision by decision, env 0 then env 1
+@pytest.mark.parametrize("mode", ["mean", "last", "stack"])
+def test_a_reward_aggregation_other_than_sum_is_refused_over_the_wire_in_one_line_before_a_step(mode):
+    executor = MultiAction(plugrl_min.DummyEnv(2), reward_aggregation=mode)
+    with pytest.raises(plugrl_min.CommandError, match=f"--reward-aggregation {mode} is not what a feedback's "
+                                                      r"rewards mean over the wire \(each decision's sum\): leave it at sum"):
+        plugrl_min.check_metadata(metadata_message(), executor, closed_loop=False)
 
 
 # --- To the end of the run: the page's smoke test (dummy-v1 against dummy) ------------------------
@@ -1159,7 +1186,7 @@ def test_an_episode_that_ends_as_the_connection_is_lost_is_reported_once_and_the
     again = ScriptedServer(lose_feedback=False)
     with pytest.raises(websockets.ConnectionClosed):
         asyncio.run(plugrl_min.run_episodes(again, executor, 0, tally))
-    episode = again.feedbacks[0]["info"]["episode"]
+    episode = again.feedbacks[0]["data"]["info"]["episode"]
     assert episode["l"].tolist() == [1] and episode["r"].tolist() == [1.0]  # a new episode, not the old one again
     assert tally["returns"] == [1.0, 1.0]  # each episode counted once, by the client
 
@@ -3091,15 +3118,14 @@ def test_sac_stores_a_stacked_reward_as_its_sum():
 
 
 @wire
-def test_sac_server_trains_to_the_end_with_a_stacking_closed_loop_client(tmp_path, capsys, one_torch_thread):
+def test_sac_server_trains_to_the_end_with_a_closed_loop_client(tmp_path, capsys, one_torch_thread):
     config = dataclasses.replace(sac_example.SACConfig(), global_steps=300, learning_starts=100, batch_size=32)
     algo = make_algo("sac", make_policy("dummy-policy"), config)
     algo.init_optimizers()
 
     async def script(port, server):
         return await env_client_in_process("pendulum-v1", "--server-port", port, "--num-episodes", "0",
-                                           "--closed-loop-steps", "3", "--controller", "track",
-                                           "--reward-aggregation", "stack")
+                                           "--closed-loop-steps", "3", "--controller", "track")
 
     status, client_status = run_server(algo, tmp_path, script, learn_threads=1)
     out, err = capsys.readouterr()
@@ -3713,7 +3739,7 @@ def test_no_pickle_anywhere_in_the_code():
 @wire
 def test_a_feedback_packed_by_msgpack_with_openpis_hooks_gives_the_algorithm_the_frames_ours_gives(tmp_path):
     feedback = good_message("feedback")
-    feedback["reward"] = np.array([0.5, -2.25], ">f4")  # a big-endian peer, too
+    feedback["data"]["rewards"] = np.array([0.5, -2.25], ">f4")  # a big-endian peer, too
     frames = [reference_pack(feedback), pack_message(feedback)]
 
     async def script(port, server):
@@ -3815,29 +3841,24 @@ def test_an_infer_for_no_environment_gets_an_action_for_no_environment(tmp_path)
 # =============================================================================================
 # 9. Rows: a message's arrays, batched along axis 0, cut into each environment's rows
 # =============================================================================================
-# A feedback for some of a client's environments, a reward per physical step, an observation that is
-# a dict of several arrays: each environment gets its own row of each.
+# A feedback for some of a client's environments, an observation that is a dict of several arrays:
+# each environment gets its own row of each.
 
 @wire
-def test_feedback_may_answer_a_subset_and_a_reward_per_physical_step_reaches_the_algorithm(
+def test_feedback_may_answer_a_subset_of_an_infers_environments_each_reaching_the_algorithm_as_its_own_row(
         tmp_path):
     async def script(port, server):
         client = await Client.connect(port)
         await client.infer([7, 1000], [1, 2])  # the client's own names for its environments
         for env, tag in ((1000, 2), (7, 1)):  # one feedback message per environment
-            message = with_field(good_message("feedback"), "info", MISSING)
-            message.update(env_indices=np.array([env], np.int64), obs=obs_of([tag]),
-                           reward=np.full((1, 3), tag, np.float64),  # [m, k]: k = 3 steps
-                           terminated=np.zeros(1, bool), truncated=np.zeros(1, bool))
+            message = feedback_message([env], [tag], info=..., rewards=np.full(1, tag, np.float64))
             await client.ws.send(pack_message(message))
         await client.infer([7, 1000], [1, 2])
         return [(float(frame["runtime_state"]["tag"]), frame["reward"])
                 for frame in server.algo.frames]
 
     status, frames = run_server(Probe(), tmp_path, script)
-    assert [tag for tag, _ in frames] == [2.0, 1.0] and status == 0
-    for tag, reward in frames:
-        np.testing.assert_array_equal(reward, [tag] * 3)
+    assert frames == [(2.0, 2.0), (1.0, 1.0)] and status == 0
 
 
 def test_two_observation_keys_train_over_the_wire_with_the_readmes_camera_and_its_policy(tmp_path):
@@ -4423,32 +4444,32 @@ def test_a_resumed_run_counts_its_learns_frames_and_time_on_from_its_checkpoint(
 BAD_FIELDS = [
     *[("infer", "env_indices", bad, "infer.env_indices", "must be int64 [n]")
       for bad in (np.arange(N, dtype=np.int32), np.arange(N).reshape(N, 1), MISSING)],
-    *[("infer", "obs.states.state", bad, "infer.obs.states.state", "must be float32 [2, 3]")
+    *[("infer", "step_ids", bad, "infer.step_ids", "must be int64 [2]")  # checked, never read
+      for bad in (np.zeros(N, np.float32), np.zeros(N + 1, np.int64), MISSING)],
+    *[("infer", "data.states.state", bad, "infer.data.states.state", "must be float32 [2, 3]")
       for bad in (np.zeros((N, 3), np.int64), np.zeros((N, 4), np.float32), MISSING)],
-    ("infer", "obs.text", MISSING, "infer.obs.text", "must be str [2], a <U array or a list"),
-    ("infer", "obs.states", MISSING, "infer.obs", "must be a map of images, states and text"),
+    ("infer", "data.text", MISSING, "infer.data.text", "must be str [2], a <U array or a list"),
+    ("infer", "data.states", MISSING, "infer.data", "must be a map of images, states and text"),
     *[("feedback", "env_indices", bad, "feedback.env_indices", "must be int64 [n]")
       for bad in (np.arange(N, dtype=np.uint64), np.arange(N).reshape(1, N), MISSING)],
-    *[("feedback", "obs.states.state", bad, "feedback.obs.states.state", "must be float32 [2, 3]")
+    ("feedback", "step_ids", MISSING, "feedback.step_ids", "must be int64 [2]"),
+    ("feedback", "data", MISSING, "feedback.data", "must be a map of obs, rewards, terminated, truncated, info"),
+    *[("feedback", "data.obs.states.state", bad, "feedback.data.obs.states.state", "must be float32 [2, 3]")
       for bad in (np.zeros((N, 3), np.uint8), np.zeros((N, 1, 3), np.float32), MISSING)],
-    ("feedback", "obs.text", np.zeros(N), "feedback.obs.text", "must be str [2], a <U array or a list"),
-    *[("feedback", "reward", bad, "feedback.reward",
-       "must be float32 or float64 [m] or [m, k] with m = 2")
-      for bad in (np.zeros(N, np.int64), np.zeros((N, 1, 1), np.float32), MISSING)],
-    *[("feedback", flag, bad, f"feedback.{flag}", "must be bool [m] with m = 2")
+    ("feedback", "data.obs.text", np.zeros(N), "feedback.data.obs.text", "must be str [2], a <U array or a list"),
+    *[("feedback", "data.rewards", bad, "feedback.data.rewards", "must be float [m] with m = 2")
+      for bad in (np.zeros(N, np.int64), np.zeros((N, 1), np.float32), MISSING)],
+    *[("feedback", f"data.{flag}", bad, f"feedback.data.{flag}", "must be bool [m] with m = 2")
       for flag in ("terminated", "truncated")
       for bad in (np.zeros(N, np.uint8), np.zeros((N, 1), bool), MISSING)],
-    # info may be left out (see below); it may hold any arrays, each [m, ...]
-    ("feedback", "info", np.zeros(N, np.float32), "feedback.info",
-     "must be a dict of arrays [m, ...], or left out"),
-    ("feedback", "info.steps", np.zeros(N + 1, np.int64), "feedback.info.steps",
-     "must be an array [m, ...] with m = 2"),
-    ("feedback", "info.steps", [1, 2], "feedback.info.steps",
+    # info may be {} or left out (see below); each array in it [m, ...], a number or a str beside them
+    ("feedback", "data.info", np.zeros(N, np.float32), "feedback.data.info", "must be a map, {} for nothing"),
+    ("feedback", "data.info.steps", np.zeros(N + 1, np.int64), "feedback.data.info.steps",
      "must be an array [m, ...] with m = 2"),
     # info.episode may be left out; when it is there, r, l, s and mask must all be
-    ("feedback", "info.episode", np.zeros(N, bool), "feedback.info.episode",
-     "must be a dict of r, l, s and mask"),
-    *[("feedback", f"info.episode.{key}", bad, f"feedback.info.episode.{key}",
+    ("feedback", "data.info.episode", np.zeros(N, bool), "feedback.data.info.episode",
+     "must be a map of r, l, s and mask"),
+    *[("feedback", f"data.info.episode.{key}", bad, f"feedback.data.info.episode.{key}",
        f"must be {kind} [m] with m = 2")
       for key, kind, right, wrong in (("r", "float", np.float32, np.int64),
                                       ("l", "int", np.int64, np.float32),
@@ -4491,8 +4512,8 @@ def test_info_and_info_episode_may_be_left_out(tmp_path):
     async def script(port, server):
         client = await Client.connect(port)
         feedback = good_message("feedback")
-        for message in (with_field(feedback, "info", MISSING), with_field(feedback, "info", {}),
-                        with_field(feedback, "info.episode", MISSING)):
+        for message in (with_field(feedback, "data.info", MISSING), with_field(feedback, "data.info", {}),
+                        with_field(feedback, "data.info.episode", MISSING)):
             await client.infer(list(range(N)), [1, 2])
             await client.ws.send(pack_message(message))
         await client.infer(list(range(N)), [1, 2])  # answered: nothing was refused
@@ -4502,18 +4523,20 @@ def test_info_and_info_episode_may_be_left_out(tmp_path):
     assert infos == [{}] * (3 * N) and status == 0
 
 
-@wire
-def test_arrays_inside_a_json_list_in_feedback_info_are_refused_naming_the_field(tmp_path):
-    async def script(port, server):
-        client = await Client.connect(port)
-        await client.infer([0], [1])
-        message = feedback_message([0], [1], info={"contacts": [np.zeros(1, np.float32)]})
-        await client.ws.send(pack_message(message))
-        return await refusal_of(client.ws)
+@contract
+def test_a_str_beside_the_arrays_of_feedback_info_goes_to_every_environment():
+    data = feedback_message([0, 1], [1, 2], info={"task": "pick", "contacts": np.zeros((2, 3), np.float32)})["data"]
+    plugrl_min.check_outcome(data, 2)
+    rows = plugrl_min.split_rows(data["info"], 2)
+    assert [row["task"] for row in rows] == ["pick", "pick"] and [row["contacts"].shape for row in rows] == [(3,)] * 2
 
-    _, refusal = run_server(Probe(), tmp_path, script)
-    assert refusal.error == "feedback.info.contacts must be an array [m, ...] with m = 1; got a list"
-    assert refusal.code == REFUSED
+
+@contract
+def test_a_feedback_info_with_no_array_to_split_it_by_for_two_environments_is_refused():
+    data = feedback_message([0, 1], [1, 2], info={"task": "pick"})["data"]
+    with pytest.raises(ProtocolError, match=re.escape("feedback.data.info must be a map with an array [m, ...], m = 2")):
+        plugrl_min.check_outcome(data, 2)
+    plugrl_min.check_outcome(feedback_message([0], [1], info={"task": "pick"})["data"], 1)  # one environment: its own
 
 
 @wire
@@ -4525,14 +4548,14 @@ def test_a_reward_beyond_float32_is_refused_naming_the_field_and_no_other_client
     async def script(port, server):
         bad = await Client.connect(port)
         await bad.infer([0], [0.5])
-        await bad.ws.send(pack_message(feedback_message([0], [0.5], reward=np.array([1e300]))))  # float64
+        await bad.ws.send(pack_message(feedback_message([0], [0.5], rewards=np.array([1e300]))))  # float64
         refusal = await refusal_of(bad.ws)
         good = await Client.connect(port)
         actions = [actions_of(await good.step(list(range(8)), [0.1 * i for i in range(8)])) for _ in range(4)]
         return refusal, actions, server.version
 
     status, (refusal, actions, learns) = run_server(algo, tmp_path, script)
-    assert refusal.error == "feedback.reward holds NaN, infinity or a value beyond float32's range"
+    assert refusal.error == "feedback.data.rewards holds NaN, infinity or a value beyond float32's range"
     assert learns >= 2 and all(np.isfinite(action).all() for action in actions)
 
 
@@ -4543,13 +4566,13 @@ def feedback_of(state=0.5, reward=0.0, episode_r=None, extra=None) -> dict:
         info["episode"] = {"r": np.array([episode_r]), "l": np.array([1]), "s": np.array([True]),
                            "mask": np.array([True])}
     obs = observation(1, states={"state": np.array([[state]], np.float32)})
-    return feedback_message([0], obs=obs, reward=np.array([reward]), info=info)
+    return feedback_message([0], obs=obs, rewards=np.array([reward]), info=info)
 
 
 @pytest.mark.parametrize("message, refused", [
-    (feedback_of(reward=1e300), "feedback.reward holds NaN, infinity or a value beyond float32's range"),
-    (feedback_of(episode_r=-1e300), "feedback.info.episode.r holds NaN, infinity or a value beyond"),
-    (feedback_of(state=np.nan), "feedback.obs.states.state holds NaN or infinity"),
+    (feedback_of(reward=1e300), "feedback.data.rewards holds NaN, infinity or a value beyond float32's range"),
+    (feedback_of(episode_r=-1e300), "feedback.data.info.episode.r holds NaN, infinity or a value beyond"),
+    (feedback_of(state=np.nan), "feedback.data.obs.states.state holds NaN or infinity"),
     (feedback_of(extra=1e300), None)], ids=["reward", "episode return", "observation", "other info"])
 @wire
 def test_the_reward_and_episode_return_must_fit_float32_observations_be_finite_other_info_is_free(message, refused):
@@ -4568,7 +4591,7 @@ CAMERA_SPEC = {"images": {"image": ((16, 16, 3), "uint8")}, "states": {"state": 
 def test_every_key_the_policy_reads_is_checked_an_image_of_another_dtype_is_refused_naming_it():
     message = infer_message([0], obs=observation(1, states={"state": np.zeros((1, 2), np.float32)},
                                                  images={"image": np.zeros((1, 16, 16, 3), np.float32)}))
-    with pytest.raises(ProtocolError, match=re.escape("infer.obs.images.image must be uint8 [1, 16, 16, 3]; got float32")):
+    with pytest.raises(ProtocolError, match=re.escape("infer.data.images.image must be uint8 [1, 16, 16, 3]; got float32")):
         plugrl_min.check_message(message, plugrl_min.obs_spec_of(CAMERA_SPEC))
 
 
@@ -4578,7 +4601,7 @@ def test_a_float64_state_as_plugrls_clients_send_it_reaches_the_policy_as_its_fl
     message = infer_message([0], obs=observation(1, states={"state": state},
                                                  images={"image": np.zeros((1, 16, 16, 3), np.uint8)}))
     plugrl_min.check_message(message, plugrl_min.obs_spec_of(CAMERA_SPEC))
-    given = message["obs"]["states"]["state"]
+    given = message["data"]["states"]["state"]
     assert given.dtype == np.float32 and given.tolist() == state.astype(np.float32).tolist()
 
 
@@ -4589,9 +4612,9 @@ def test_a_key_the_policy_does_not_read_is_ignored_and_a_key_it_reads_missing_is
                       images={"image": np.zeros((1, 16, 16, 3), np.uint8), **extra})
     message = infer_message([0], obs=obs)
     plugrl_min.check_message(message, plugrl_min.obs_spec_of(CAMERA_SPEC))
-    assert message["obs"]["images"].keys() == {"image"} and message["obs"]["states"].keys() == {"state"}
+    assert message["data"]["images"].keys() == {"image"} and message["data"]["states"].keys() == {"state"}
     del obs["images"]["image"]
-    with pytest.raises(ProtocolError, match=re.escape("infer.obs.images.image must be uint8 [1, 16, 16, 3]; got nothing")):
+    with pytest.raises(ProtocolError, match=re.escape("infer.data.images.image must be uint8 [1, 16, 16, 3]; got nothing")):
         plugrl_min.check_message(infer_message([0], obs=obs), plugrl_min.obs_spec_of(CAMERA_SPEC))
 
 
@@ -4601,9 +4624,9 @@ def test_a_key_the_policy_does_not_read_is_ignored_and_a_key_it_reads_missing_is
 def test_text_as_a_u_array_or_a_list_of_str_reaches_the_algorithm_as_a_u_array(text):
     message = infer_message([0, 1], obs=observation(2, states={"state": np.zeros((2, 2), np.float32)},
                                                     images={"image": np.zeros((2, 16, 16, 3), np.uint8)}))
-    message["obs"]["text"] = text
+    message["data"]["text"] = text
     plugrl_min.check_message(message, plugrl_min.obs_spec_of(CAMERA_SPEC))
-    given = message["obs"]["text"]
+    given = message["data"]["text"]
     assert given.dtype.kind == "U" and given.tolist() == ["pick up the red block", ""]
 
 
@@ -4655,12 +4678,6 @@ def infer_with_state(state_map: dict) -> bytes:
 
 
 ONE_STATE = np.full((1, 3), BAD_TAG, np.float32).tobytes()  # one environment's observation, as data
-
-
-def with_changes(message: dict, **changes) -> dict:
-    """A copy of message with fields replaced (a value of ... removes the field)."""
-    message = dict(message, **changes)
-    return {key: value for key, value in message.items() if value is not ...}
 
 
 def with_info_episode(episode) -> dict:
@@ -4830,9 +4847,9 @@ def _(rng):
     return True, pack_message(pick(rng, [
         with_changes(feedback_message(), obs=observation(1, states={"state": np.array([[BAD_TAG, np.nan, 0]], np.float32)})),
         with_changes(feedback_message(), obs=observation(1, states={"state": np.array([[BAD_TAG, 0, -np.inf]], np.float32)})),
-        with_changes(feedback_message(), reward=np.array([np.nan], np.float32)),
-        with_changes(feedback_message(), reward=np.array([np.inf])),
-        with_changes(feedback_message(), reward=np.array([[1.0, np.nan]], np.float32))]))
+        with_changes(feedback_message(), rewards=np.array([np.nan], np.float32)),
+        with_changes(feedback_message(), rewards=np.array([np.inf])),
+        with_changes(feedback_message(), rewards=np.array([[1.0, np.nan]], np.float32))]))
 
 
 @malformed("feedback for an environment that had no action")
@@ -4849,10 +4866,10 @@ def _(rng):
 @malformed("bad reward, flags or info")
 def _(rng):
     change = pick(rng, [
-        {"reward": np.zeros(2, np.float32)}, {"reward": np.zeros(1, bool)}, {"reward": np.zeros((1, 1, 1))},
-        {"reward": np.float32(0)}, {"reward": ...}, {"reward": [0.0]}, {"terminated": np.zeros(1, np.int8)},
+        {"rewards": np.zeros(2, np.float32)}, {"rewards": np.zeros(1, bool)}, {"rewards": np.zeros((1, 1, 1))},
+        {"rewards": np.float32(0)}, {"rewards": ...}, {"rewards": [0.0]}, {"terminated": np.zeros(1, np.int8)},
         {"truncated": np.zeros(2, bool)}, {"terminated": ...}, {"info": 5}, {"info": [np.zeros(1)]},
-        {"info": {"x": np.float32(1)}}, {"info": {"x": [1]}}, {"info": {"x": np.zeros(2)}}])
+        {"info": {"x": np.zeros((2, 3))}}, {"info": {"x": {"y": np.zeros(3)}}}, {"info": {"x": np.zeros(2)}}])
     return True, pack_message(with_changes(feedback_message(), **change))
 
 
@@ -6899,14 +6916,14 @@ def test_a_policy_that_does_not_fit_its_local_env_names_the_flag_that_would_fit_
 
 def test_a_client_whose_observation_differs_is_told_the_obs_spec_flag_that_fits_it():
     meta = plugrl_min.metadata_of(small_policy(), plugrl_min.obs_spec_of(small_policy().obs_spec), ("d", "d"))
-    problem = plugrl_min.misfit(meta, plugrl_min.CartPoleEnv)
+    problem = plugrl_min.misfit(meta["data"], plugrl_min.CartPoleEnv)
     assert problem.startswith("observation states.state: the policy reads float32 [3], this environment gives float32 [4]")
     assert problem.endswith("""--policy.obs-spec '{"states": {"state": [[4], "float32"]}}')""")
 
 
 def test_a_continuous_policy_for_a_discrete_env_is_told_to_serve_categorical_policy():
     meta = plugrl_min.metadata_of(small_policy(), plugrl_min.obs_spec_of({"states": {"state": ((4,), "float32")}}), ("d", "d"))
-    assert plugrl_min.misfit(meta, plugrl_min.CartPoleEnv).endswith(
+    assert plugrl_min.misfit(meta["data"], plugrl_min.CartPoleEnv).endswith(
         "this client needs discrete, 2 actions (serve categorical-policy)")
 
 
@@ -10420,9 +10437,9 @@ async def handler(ws):  # the protocol and the policy, and nothing else
     async for frame in ws:
         message = p.unpack_message(frame)
         if message["message_type"] == "infer":
-            action, _ = policy.get_action_and_runtime_state(message["obs"])
-            await ws.send(p.pack_message({"message_type": "action", "env_indices": message["env_indices"],
-                                          "action": np.asarray(action, np.float32)}))
+            action, _ = policy.get_action_and_runtime_state(message["data"])
+            await ws.send(p.pack_message({"message_type": "action", "data": {
+                "env_ids": message["env_indices"], "action": np.moveaxis(action, 0, 1)}}))
 async def main():
     async with serve(handler, "127.0.0.1", int(sys.argv[1]), compression=None, max_size=None):
         await asyncio.Future()
