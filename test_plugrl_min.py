@@ -1176,6 +1176,100 @@ class ScriptedServer:
             self.left -= 1
 
 
+# --- Each message as PlugRL's SPEC (version 1, section 5) lays it out, by a client written here -----------
+
+@wire
+def test_the_metadata_is_a_data_map_of_the_specs_keys_and_this_servers_own(tmp_path):
+    async def script(port, server):
+        client = await Client.connect(port)
+        await client.close()
+        return client.metadata
+
+    _, metadata = run_server(dummy_algo(small_policy(), 100), tmp_path, script)
+    assert metadata.keys() == {"message_type", "data"} and metadata["message_type"] == "metadata"
+    data = metadata["data"]
+    assert {key: data[key] for key in ("protocol_version", "server", "action_horizon", "action_dim", "features")} == {
+        "protocol_version": 1, "server": "plugrl_min", "action_horizon": 1, "action_dim": 1, "features": []}
+    assert (data["policy"], data["algorithm"]) == ("dummy-policy", "probe")  # the names run_server serves under
+    assert data["num_actions"] is None
+    assert data["obs_spec"] == {"images": {}, "states": {"state": {"shape": [3], "dtype": "<f4"}}}
+
+
+@wire
+def test_an_action_is_time_major_with_env_ids_those_of_the_infer_in_its_order_and_its_step_ids_are_never_read(
+        tmp_path):
+    policy = make_policy("dummy-policy", plugrl_min.DummyPolicyConfig(hidden_size=8, action_horizon=3, action_dim=2))
+
+    async def script(port, server):
+        client = await Client.connect(port)
+        infer = infer_message([5, 2], step_ids=np.array([2**40, 7], np.int64))
+        await client.ws.send(pack_message(infer))
+        reply = await client.receive()
+        await client.close()
+        return reply
+
+    _, reply = run_server(dummy_algo(policy, 100), tmp_path, script)
+    assert reply["data"]["env_ids"].tolist() == [5, 2]
+    assert reply["data"]["action"].shape == (3, 2, 2)  # [H, n, action_dim]: step first
+    assert actions_of(reply).shape == (2, 3, 2) and np.abs(reply["data"]["action"]).max() <= 1
+
+
+@wire
+def test_a_discrete_action_is_h_by_n_on_the_wire(tmp_path):
+    policy = make_policy("categorical-policy", plugrl_min.CategoricalPolicyConfig(
+        obs_spec={"states": {"state": [[3], "float32"]}}, hidden_size=8))
+
+    async def script(port, server):
+        client = await Client.connect(port)
+        reply = await client.infer([0, 1, 2, 3], [1, 2, 3, 4])
+        await client.close()
+        return reply
+
+    _, reply = run_server(dummy_algo(policy, 100), tmp_path, script)
+    action = reply["data"]["action"]
+    assert action.shape == (1, 4) and action.dtype == np.int64 and set(action.ravel()) <= {0, 1}
+
+
+class ScriptedChunks(ScriptedServer):
+    """A ScriptedServer whose actions are chunks of H steps."""
+
+    def __init__(self, horizon: int):
+        super().__init__(lose_feedback=False)
+        self.horizon = horizon
+
+    async def send(self, frame):
+        message = unpack_message(frame)
+        if message["message_type"] == "infer":
+            n = len(message["env_indices"])
+            self.replies.append(pack_message(action_message(message["env_indices"], np.zeros((n, self.horizon, 1)))))
+        else:
+            self.feedbacks.append(message)
+            self.left -= 1
+
+
+@wire
+def test_a_feedback_sends_each_decisions_rewards_summed_over_the_steps_it_ran_and_step_ids_count_decisions():
+    executor = MultiAction(plugrl_min.DummyEnv(2, seed=0))
+    executor.reset()
+    server, rewards = ScriptedChunks(horizon=3), []
+    server.left = 3  # three decisions of three steps
+    original = executor.env._step
+
+    def step(action, rows):  # the rewards each step earns, kept
+        reward, terminated, success = original(action, rows)
+        rewards.append(np.asarray(reward, np.float64))
+        return reward, np.zeros(len(rows), bool), success
+
+    executor.env._step = step
+    with pytest.raises(websockets.ConnectionClosed):
+        asyncio.run(plugrl_min.run_episodes(server, executor, 0, {"returns": [], "env_steps": 0, "decisions": 0}))
+    sent = [message["data"]["rewards"] for message in server.feedbacks]
+    assert all(r.dtype == np.float32 for r in sent)
+    for decision, got in enumerate(sent):
+        np.testing.assert_allclose(got, np.sum(rewards[3 * decision:3 * decision + 3], axis=0), rtol=1e-6)
+    assert [message["step_ids"].tolist() for message in server.feedbacks] == [[0, 0], [1, 1], [2, 2]]
+
+
 @wire
 def test_an_episode_that_ends_as_the_connection_is_lost_is_reported_once_and_the_next_connection_starts_fresh():
     executor = MultiAction(OneStepEpisodes(1))
