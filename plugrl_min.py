@@ -183,8 +183,10 @@ async def run_episodes(ws, executor, num_episodes: int, tally: dict) -> None:
 # PlugRL page: "Server contract" and "What the loop implies for the hooks". First what a frame
 # leaves on the server while it is in flight, then Server's core, in the order a frame meets it.
 
-RUN_FINISHED = "run finished"  # the close reason that tells a client the run is over (exit 0)
-SERVER_FAILED = "server failed"  # the close reason's prefix: a hook raised, or a run's file failed
+RUN_FINISHED = "run finished"  # the printed end line's prefix when the run is over
+SERVER_FAILED = "server failed"  # and when a hook raised, or a file of the run failed
+SERVER_STOP = "plugrl-server-stop"  # the reason of every close 1001 at the run's end (SPEC 7.1)
+INTERNAL_ERROR = "Internal server error."  # the reason of every close 1011 (SPEC 7.4)
 NO_NODE = (-1, "")  # prev_node when there is no stored frame of this environment to link to
 
 
@@ -317,9 +319,10 @@ class Server:
             ticker = asyncio.create_task(tick(self.wake))
             code, reason, status = await run_to_the_end(self, self.control_loop())
             ticker.cancel()
-            # Stop accepting first, then close every open connection with the reason, the
-            # newest too; a handshake still in progress is refused (HTTP 503).
-            server.close(code=code, reason=reason)
+            # Stop accepting first, then close every open connection as PlugRL's servers do, the
+            # newest too; a handshake still in progress is refused (HTTP 503). The printed end
+            # line says why (finish_run).
+            server.close(code=code, reason=SERVER_STOP if code == 1001 else INTERNAL_ERROR)
             await server.wait_closed()
         return finish_run(self, code, reason, status)
 
@@ -1888,7 +1891,7 @@ async def run_to_the_end(server: Server, loop) -> tuple[int, str, int]:
     except Exception as error:
         return 1011, f"{SERVER_FAILED}: {print_failure(error)}", 1
     server.closing = True  # what the run saves is saved
-    return 1000, RUN_FINISHED, server.status
+    return 1001, RUN_FINISHED, server.status
 
 
 def call_soon(loop: asyncio.AbstractEventLoop, callback) -> None:
@@ -1901,7 +1904,7 @@ def finish_run(server, code: int, reason: str, status: int) -> int:
     """After the clients were told: the end line of metrics.jsonl, the other ranks stopped, the
     run's report; the exit status (server.ended from now on)."""
     record = server.record
-    if code == 1000 and server.frames:  # what the last learns and episodes logged
+    if code == 1001 and server.frames:  # what the last learns and episodes logged
         record.add(server.algo.build_train_info(server.global_step, {})[1])
         record.write(server, "end")
     record.close()
@@ -1911,7 +1914,7 @@ def finish_run(server, code: int, reason: str, status: int) -> int:
           flush=True)
     if not server.frames:
         print("no frame was served: no checkpoint or metrics line was written", flush=True)
-    elif code == 1000:  # [report]
+    elif code == 1001:  # [report]
         print(report([server.run_dir]), flush=True)  # [report]
     server.ended = status
     return status
@@ -3116,8 +3119,9 @@ async def run_env_client(args) -> int:
             ending = "done"
         except ConnectionClosed as closed:
             reason = closed.rcvd.reason if closed.rcvd else ""
-            if reason.startswith(SERVER_FAILED):
-                raise CommandError(f"the server failed ({reason}); see its log") from None
+            if closed.rcvd and closed.rcvd.code == 1011:  # its traceback is in its output
+                raise CommandError(f"the server failed (1011 {reason}): its traceback is in its "
+                                   "output, or its log") from None
             if closed.rcvd and closed.rcvd.code == 1009:  # resending the same message cannot help
                 raise CommandError(f"the server refused a message as too large ({reason}): "
                                    "raise the server's --max-message-bytes, or step fewer "
@@ -3126,7 +3130,7 @@ async def run_env_client(args) -> int:
                 raise CommandError(f"the server sent a message too large for this client "
                                    f"({closed.sent.reason}): raise this client's "
                                    "--max-message-bytes") from None
-            if reason == RUN_FINISHED:
+            if reason == SERVER_STOP:
                 ending = "the server ended the run"
             else:  # a restart or a network blink: the decision in flight is dropped
                 print(f"lost the server ({closed}); reconnecting", file=sys.stderr)

@@ -731,12 +731,13 @@ def env_ids_of(reply: dict) -> list[int]:
     return reply["data"]["env_ids"].tolist()
 
 
-RUN_END = (1000, "run finished")  # (close code, reason) of every connection when the run ends
+RUN_END = (1001, "plugrl-server-stop")  # (close code, reason) of every connection when the run ends
 
 
 def hook_failed(error: str = "RuntimeError") -> tuple[int, str]:
-    """The close every client gets when a hook raised `error` (its type's name, or what the server says)."""
-    return 1011, f"server failed: {error}"
+    """The close every client gets when a hook raised `error`: PlugRL's, which never names it (the server's
+    printed line does: `server failed: <error>`)."""
+    return 1011, "Internal server error."
 
 
 def silent_after(seconds: float) -> tuple[int, str]:
@@ -1854,7 +1855,7 @@ def test_an_algorithm_that_raises_in_learn_exits_1_and_its_client_exits_saying_t
         server_status = server.wait(60)
     assert server_status == 1, server.stdout() + server.stderr()
     assert "Traceback" in server.stderr() and "RuntimeError: deliberate failure in learn_impl" in server.stderr()
-    assert client_status != 0 and f"the server failed ({hook_failed('RuntimeError')[1]})" in capsys.readouterr().err
+    assert client_status != 0 and f"the server failed (1011 {hook_failed('RuntimeError')[1]})" in capsys.readouterr().err
     assert checkpoint_steps(run_dir) == []
 
 
