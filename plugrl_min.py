@@ -2656,9 +2656,8 @@ def check_obs(obs, obs_spec: dict, n: int, field: str) -> dict:
         given[group] = {}
         for key, (shape, dtype) in keys.items():
             array = obs[group].get(key, MISSING)
-            floats = group == "states" and dtype.kind == "f"  # any width: cast below
-            if not (is_array(array, "f" if floats else dtype.kind, (n, *shape))
-                    and (floats or array.dtype == dtype)):
+            if not (isinstance(array, np.ndarray) and array.shape == (n, *shape)
+                    and takes(group, dtype, array.dtype)):
                 raise mismatch(f"{field}.{group}.{key}", f"{dtype.name} {[n, *shape]}", array)
             given[group][key] = array = array.astype(dtype, copy=False)  # <f8 from PlugRL's clients
             if dtype.kind == "f" and not np.isfinite(array).all():
@@ -2670,6 +2669,12 @@ def check_obs(obs, obs_spec: dict, n: int, field: str) -> dict:
     if not (isinstance(text, np.ndarray) and text.dtype.kind == "U" and text.shape == (n,)):
         raise mismatch(f"{field}.text", f"str [{n}], a <U array or a list", text)
     return {**given, "text": text}
+
+
+def takes(group: str, dtype: np.dtype, given: np.dtype) -> bool:
+    """Whether a policy reading dtype takes given: a float state of any width (check_obs casts
+    it: PlugRL's clients send float64), anything else exactly its own dtype."""
+    return given == dtype or group == "states" and dtype.kind == given.kind == "f"
 
 
 def _leaves(tree: dict, path: str = ""):
@@ -3046,9 +3051,7 @@ def misfit(meta: dict, env, decision_dim: int | None = None) -> str | None:
         return str(error)
     for group, key in ((group, key) for group in GROUPS for key in sorted(reads[group])):
         (shape, dtype), given = reads[group][key], gives[group].get(key)
-        floats = group == "states" and dtype.kind == "f"  # the server casts one to the other
-        if given is None or given[0] != shape or not (
-                given[1] == dtype or floats and given[1].kind == "f"):
+        if given is None or given[0] != shape or not takes(group, dtype, given[1]):
             gave = "nothing" if given is None else f"{given[1].name} {list(given[0])}"
             fits = json.dumps(obs_spec_as_json(env.obs_spec))
             return (f"observation {group}.{key}: the policy reads {dtype.name} {list(shape)}, this "
