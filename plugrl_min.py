@@ -2710,7 +2710,7 @@ async def reject(server: Server, conn: Connection, error: Exception) -> None:
 # A client that dies without closing (a pulled cable, kill -STOP) must not hold its environments'
 # step states forever; a ping every S seconds keeps an idle connection open.
 
-SILENT = "client silent"  # the close reason's prefix when a client owed feedback too long
+FEEDBACK_TIMEOUT = "Feedback timeout"  # the reason of the close 1001 of such a client (SPEC 7.3)
 _DROPPING = set()  # the drops in progress: asyncio keeps only weak references to tasks
 
 
@@ -2721,15 +2721,15 @@ def serving_clock(server: Server) -> float:
 
 def drop_silent_clients(server: Server) -> None:
     """Drop a client whose environment owes feedback for an action sent --feedback-timeout s of
-    serving ago (its other environments' feedback does not excuse it)."""
+    serving ago (its other environments' feedback does not excuse it), saying so in the log."""
     due = serving_clock(server) - server.feedback_timeout  # an action sent before is overdue
     for conn in list(server.connections):
         if any(slot.step is not None and slot.step.batch.sent_at < due
                for slot in conn.slots.values()):
             server.connections.discard(conn)  # once: the task below runs after this pass
-            error = ProtocolError(f"{SILENT}: no feedback for {server.feedback_timeout:g} s "
-                                  "of serving", "send feedback after every action")
-            task = asyncio.create_task(reject(server, conn, error))
+            print(f"client {conn.number}: no feedback for {server.feedback_timeout:g} s of "
+                  f"serving: closed 1001 {FEEDBACK_TIMEOUT}", file=sys.stderr, flush=True)
+            task = asyncio.create_task(conn.ws.close(1001, FEEDBACK_TIMEOUT))
             _DROPPING.add(task)
             task.add_done_callback(_DROPPING.discard)
 
