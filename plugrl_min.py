@@ -3084,8 +3084,10 @@ async def connect_to_server(args):
     deadline = time.monotonic() + args.connect_timeout
     while True:
         try:
-            return await connect(uri, additional_headers=headers, max_size=args.max_message_bytes,
-                                 compression=None, proxy=None)
+            # PlugRL's options (SPEC 1.1, 7.6): no frame cap and no keepalive ping, which would
+            # close a healthy connection while its server learns on its loop for over 20 s.
+            return await connect(uri, additional_headers=headers, max_size=None,
+                                 compression=None, ping_interval=None, proxy=None)
         except websockets.InvalidStatus as error:
             status = error.response.status_code
             if status == 503:  # the server is closing: its run has ended
@@ -3117,9 +3119,12 @@ async def run_env_client(args) -> int:
             ending = "the server ended the run"
             continue
         try:
-            async with ws:
+            async with ws:  # closed 1000 when done, as a client that stops should (SPEC 7.5)
                 await run_episodes(ws, executor, args.num_episodes, tally)
             ending = "done"
+        except ProtocolError as error:  # a text frame (SPEC 7.4: fatal, never parsed), or worse
+            raise CommandError(f"the server failed: it sent what is not a message ({error}); "
+                               "its output or log says why") from None
         except ConnectionClosed as closed:
             reason = closed.rcvd.reason if closed.rcvd else ""
             if closed.rcvd and closed.rcvd.code == 1011:  # its traceback is in its output
@@ -3129,10 +3134,6 @@ async def run_env_client(args) -> int:
                 raise CommandError(f"the server refused a message as too large ({reason}): "
                                    "raise the server's --max-message-bytes, or step fewer "
                                    "--num-envs per client") from None
-            if closed.sent and closed.sent.code == 1009:
-                raise CommandError(f"the server sent a message too large for this client "
-                                   f"({closed.sent.reason}): raise this client's "
-                                   "--max-message-bytes") from None
             if reason == SERVER_STOP:
                 ending = "the server ended the run"
             else:  # a restart or a network blink: the decision in flight is dropped
@@ -4047,8 +4048,6 @@ def env_client_main(argv: list[str]) -> int:
     add("--reward-aggregation", default="sum", choices=REWARD_AGGREGATIONS,
         help="a decision's reward from its physical steps'; over the wire only sum, what a "
         "feedback's rewards are (default: sum)")
-    add("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES,
-        help=f"a larger frame from the server closes the connection (default: {MAX_MESSAGE_BYTES})")
     add_plugin_flag(add)
     args = parser.parse_args(argv)
     steps = args.closed_loop_steps  # None: no closed loop

@@ -57,6 +57,7 @@ import torch
 from torch import nn
 import websockets
 from websockets.asyncio.client import connect
+import websockets.asyncio.server
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -1010,8 +1011,7 @@ def _run_over_the_wire(tmp_path, steps, num_envs, episodes, mode="sum", env_id="
         args = argparse.Namespace(
             env_id=env_id, server_host="127.0.0.1", server_port=listening.result(), num_episodes=episodes,
             num_envs=num_envs, seed=0, summary_json=str(summary_path), connect_timeout=10, token=None,
-            closed_loop_steps=steps, controller="track", reward_aggregation=mode,
-            max_message_bytes=plugrl_min.MAX_MESSAGE_BYTES, env_kwargs=None)
+            closed_loop_steps=steps, controller="track", reward_aggregation=mode, env_kwargs=None)
         try:
             client_status = await asyncio.wait_for(plugrl_min.run_env_client(args), 60)
             # Every action the server sent was answered: its last feedback may still wait to be routed.
@@ -1176,6 +1176,109 @@ class ScriptedServer:
         else:
             self.feedbacks.append(message)
             self.left -= 1
+
+
+# --- The env client's connection: PlugRL's options, how it stops, a server's text frame (SPEC 1.1, 7.4-7.6) ------
+
+class ServerThread:
+    """A WebSocket server written in the test, on its own thread and event loop: `await handler(ws)` per
+    connection. The handler may hold its loop (time.sleep), as a server learning on its loop would."""
+
+    def __init__(self, handler):
+        self.handler, self.ready, self.port = handler, threading.Event(), None
+
+    async def serve(self):
+        self.loop, self.stop = asyncio.get_running_loop(), asyncio.Event()
+        async with websockets.asyncio.server.serve(self.handler, "127.0.0.1", 0, compression=None,
+                                                   max_size=None) as server:
+            self.port = server.sockets[0].getsockname()[1]
+            self.ready.set()
+            await self.stop.wait()
+
+    def __enter__(self):
+        self.thread = threading.Thread(target=asyncio.run, args=(self.serve(),), daemon=True)
+        self.thread.start()
+        assert self.ready.wait(10), "the test's server did not start"
+        return self
+
+    def __exit__(self, *exc):
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(10)
+
+
+def serving_dummy_v1(hold_at=None, hold=0.0, closes=None, padding=0, text_at=None):
+    """A handler that answers dummy-v1's infers with zeros (its episodes last 50 decisions): it holds its loop
+    for `hold` s before decision `hold_at`, sends a text frame at decision `text_at`, pads the metadata with
+    `padding` bytes, and appends how the client closed (code, reason) to `closes`."""
+    meta = plugrl_min.metadata_of(small_policy(), plugrl_min.obs_spec_of(small_policy().obs_spec),
+                                  ("dummy-policy", "dummy"))
+    meta["data"]["padding"] = b"\0" * padding  # an extra key, which a client ignores (SPEC 5.1)
+
+    async def handler(ws):
+        await ws.send(pack_message(meta))
+        decisions = 0
+        with contextlib.suppress(websockets.ConnectionClosed):
+            async for frame in ws:
+                message = unpack_message(frame)
+                if message["message_type"] != "infer":
+                    continue
+                if decisions == text_at:
+                    await ws.send("Traceback (most recent call last): ...")
+                if decisions == hold_at:
+                    time.sleep(hold)  # the whole loop held: no pong answers a ping meanwhile
+                n = len(message["env_indices"])
+                await ws.send(pack_message(action_message(message["env_indices"], np.zeros((n, 1, 1), np.float32))))
+                decisions += 1
+        if closes is not None:
+            closes.append((ws.close_code, ws.close_reason))
+    return handler
+
+
+def env_client_against(server: ServerThread, *flags) -> int:
+    return plugrl_min.env_client_main(["dummy-v1", "--server-port", str(server.port), "--num-envs", "1", *flags])
+
+
+@wire
+def test_the_env_client_sends_no_keepalive_ping_so_a_server_holding_its_loop_past_the_ping_timeout_keeps_it(
+        monkeypatch, capsys):
+    # websockets' keepalive (a ping every 20 s; no pong within 20 s closes the connection) scaled to 0.1 s each,
+    # so that a server holding its loop 1.5 s stands for one learning on its loop for minutes. The client must
+    # turn it off; left on, the connection closes in the hold and the client reconnects.
+    scaled = lambda *args, **kwargs: connect(*args, **{"ping_interval": 0.1, "ping_timeout": 0.1, **kwargs})
+    monkeypatch.setattr(plugrl_min, "connect", scaled)
+    closes = []
+    with ServerThread(serving_dummy_v1(hold_at=2, hold=1.5, closes=closes)) as server:
+        status = env_client_against(server, "--num-episodes", "1")
+    out, err = capsys.readouterr()
+    assert status == 0 and "reconnecting" not in err and out.startswith("done | episodes 1 "), (out, err)
+    assert closes == [(1000, "")]
+
+
+@wire
+def test_the_env_client_closes_1000_when_its_episodes_are_done(capsys):
+    closes = []
+    with ServerThread(serving_dummy_v1(closes=closes)) as server:
+        status = env_client_against(server, "--num-episodes", "2")
+    assert status == 0 and capsys.readouterr().out.startswith("done | episodes 2 ")
+    assert closes == [(1000, "")]  # not 1006: it sent a close frame before dropping the socket
+
+
+@wire
+def test_a_text_frame_from_the_server_is_fatal_to_the_env_client_never_parsed_nor_retried(capsys):
+    closes = []
+    with ServerThread(serving_dummy_v1(text_at=3, closes=closes)) as server:
+        status = env_client_against(server, "--num-episodes", "0")
+    err = capsys.readouterr().err
+    assert status == 1 and "reconnecting" not in err and closes == [(1011, "")], err  # one connection, left
+    assert "env-client: the server failed: it sent what is not a message (expected a binary frame, got a text " \
+           "frame); its output or log says why" in err
+
+
+@wire
+def test_the_env_client_takes_a_frame_of_any_size_from_the_server(capsys):
+    with ServerThread(serving_dummy_v1(padding=2**24 + 1)) as server:  # over any cap this server has had
+        status = env_client_against(server, "--num-episodes", "1")
+    assert status == 0 and capsys.readouterr().out.startswith("done | episodes 1 ")
 
 
 # --- Each message as PlugRL's SPEC (version 1, section 5) lays it out, by a client written here -----------
@@ -5156,20 +5259,6 @@ def test_an_env_client_refused_for_size_stops_at_once_naming_the_limit_and_the_f
     err = capsys.readouterr().err
     assert status == 1 and seconds < 10 and err.count("reconnecting") <= 1, err
     assert "exceeds limit of 100 bytes" in err and "--max-message-bytes" in err, err
-
-
-@pytest.mark.parametrize("whose, advice", [("server", "raise the server's --max-message-bytes"),
-                                           ("client", "raise this client's --max-message-bytes")])
-@wire
-def test_an_env_client_stopped_by_a_size_limit_says_whose_limit_to_raise(tmp_path, capsys, whose, advice):
-    async def script(port, server):  # 100 bytes: less than the client's first infer or the metadata
-        return await env_client_in_process("dummy-v1", "--server-port", port, "--num-envs", "4",
-                                           "--num-episodes", "0",
-                                           *(["--max-message-bytes", "100"] if whose == "client" else []))
-
-    _, status = run_server(Probe(), tmp_path, script, **({"max_message_bytes": 100} if whose == "server" else {}))
-    err = capsys.readouterr().err
-    assert status == 1 and advice in err, err
 
 
 @wire
