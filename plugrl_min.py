@@ -20,7 +20,7 @@ The first reading is the top of this file, down to the line "first reading ends"
      contract, BaseAlgorithm (every hook) and DummyAlgorithm, the smallest algorithm.
 The second reading, in any order: PG (the first learner, a DDPAlgorithm), the wire format, rows
 of nested arrays, the registries, the built-in policies, the run's record, the clients' checks
-(every field of a message, the feedback timeout, the token: all part of the core), the rest of
+(every field of a message, the feedback timeout, the API key: all part of the core), the rest of
 the env client, and the command line in named steps.
 
 Optional features are one block each, under a banner "# ===== [NAME] ...": learn-threads, ranks,
@@ -74,7 +74,9 @@ from websockets.asyncio.server import serve as websockets_serve
 from websockets.exceptions import ConnectionClosed  # websockets.ConnectionClosed: a lookup per use
 
 PROTOCOL_VERSION = 1
-MAX_MESSAGE_BYTES = 16 * 2**20  # a larger frame closes its connection (--max-message-bytes)
+MAX_MESSAGE_BYTES = 32 * 2**20  # a larger frame closes its connection (--max-message-bytes)
+# PlugRL's SPEC (1.1) sets no cap; this one guards the server's memory against a runaway client,
+# at over twice what 64 environments of PlugRL's dummy-v1 send, two cameras each (12 MB).
 
 
 # ===== 1. The loop: without the wire, then the env client's half of it over the wire =====
@@ -268,7 +270,7 @@ class Server:
 
     def __init__(self, algo: BaseAlgorithm, run_dir: str, names: tuple[str, str], *,
                  max_message_bytes: int = MAX_MESSAGE_BYTES, max_envs_per_client: int = 4096,
-                 feedback_timeout: float = 60.0, token: str | None = None,
+                 feedback_timeout: float = 60.0, api_key: str | None = None,
                  learn_threads: int | None = None,  # [learn-threads]
                  trace: int = 0,  # [trace]
                  ranks=None,  # [ranks] a Ranks: the other ranks of a torch.distributed launch
@@ -278,7 +280,7 @@ class Server:
         self.max_message_bytes = max_message_bytes
         self.max_envs = max_envs_per_client  # one client must not hold the loop for everyone
         self.feedback_timeout = feedback_timeout  # a client owing feedback longer is dropped
-        self.token = token  # a client must send it at the handshake (None: anyone may connect)
+        self.api_key = api_key  # a client must send it at the handshake (None: anyone may)
         self.threads = LearnThreads(learn_threads)  # [learn-threads]
         self.trace_left = trace  # [trace] frames still to narrate
         self.ranks = ranks  # [ranks] the other ranks of a torch.distributed launch
@@ -312,7 +314,7 @@ class Server:
         with naming(f"cannot listen on {host}:{port}"):  # the bind alone: the port is taken...
             server = await websockets_serve(
                 self.handle_client, host, port, compression=None, max_size=self.max_message_bytes,
-                process_request=token_check(self.token),  # HTTP 401 without the token
+                process_request=api_key_check(self.api_key),  # HTTP 401 without the key
                 ping_interval=self.feedback_timeout, ping_timeout=None)  # no pong closes one
         async with server:
             open_run(self, server.sockets, on_listening)
@@ -2540,7 +2542,7 @@ def start(argv: list[str]) -> Serving:
 # PlugRL page: infer(obs) and feedback(...)'s arguments, as they arrive from other processes, in
 # any language: every field is checked against the protocol reference in README.md, and a bad
 # one gets an error naming the field and what it must be. The algorithm only sees messages that
-# passed. Then the feedback timeout and the token. A first reading skips these.
+# passed. Then the feedback timeout and the API key. A first reading skips these.
 
 def metadata_of(policy: BaseTorchPolicy, obs_spec: dict, names: tuple[str, str]) -> dict:
     """The metadata message (SPEC 5.1): PlugRL's keys, then this server's own beside them: what
@@ -2734,31 +2736,32 @@ def drop_silent_clients(server: Server) -> None:
             task.add_done_callback(_DROPPING.discard)
 
 
-# --- Who may connect: --token (or $PLUGRL_TOKEN), checked at the handshake ----------------------
+# --- Who may connect: --api-key (or $PLUGRL_API_KEY), checked at the handshake ----------------
 # A server on a shared network is reachable by anyone who finds its port.
 
 import hmac
 
 
-def token_check(token: str | None):
-    """websockets' process_request: refuse at the handshake a client without the run's token
-    (HTTP 401). None without a token: every client is let in."""
-    if token is None:
+def api_key_check(api_key: str | None):
+    """websockets' process_request: refuse at the handshake a client without the run's API key,
+    sent as PlugRL's clients send it (HTTP 401). None: every client is let in. PlugRL's own
+    servers never check it (its SPEC 1.2): this server does more."""
+    if api_key is None:
         return None
-    expected = f"Bearer {token}".encode()
+    expected = f"Api-Key {api_key}".encode()
 
     def check(connection, request):
         given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
         if hmac.compare_digest(given, expected):  # in constant time: no hint from the timing
             return None
-        return connection.respond(401, "missing or wrong token\n")
+        return connection.respond(401, "missing or wrong API key\n")
     return check
 
 
-def warn_without_token(host: str, token: str | None) -> None:
-    """A server reachable from other machines, with no token, says so."""
-    if host not in ("127.0.0.1", "localhost", "::1") and not token:
-        print(f"warning: serving on {host} without --token: anyone who can reach it can "
+def warn_without_api_key(host: str, api_key: str | None) -> None:
+    """A server reachable from other machines, with no API key, says so."""
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        print(f"warning: serving on {host} without --api-key: anyone who can reach it can "
               "connect", file=sys.stderr)
 
 
@@ -3079,8 +3082,8 @@ async def connect_to_server(args):
     """Connect, retrying for --connect-timeout s; None if the run has ended."""
     uri = f"ws://{args.server_host}:{args.server_port}"
     headers = {}
-    if args.token:
-        headers["Authorization"] = f"Bearer {args.token}"
+    if args.api_key:
+        headers["Authorization"] = f"Api-Key {args.api_key}"  # as PlugRL's clients send it
     deadline = time.monotonic() + args.connect_timeout
     while True:
         try:
@@ -3093,7 +3096,7 @@ async def connect_to_server(args):
             if status == 503:  # the server is closing: its run has ended
                 return None
             raise CommandError(f"the server refused the connection (HTTP {status}): wrong or "
-                             "missing --token?") from None
+                               "missing --api-key?") from None
         except (OSError, asyncio.TimeoutError, websockets.InvalidHandshake) as error:
             if time.monotonic() > deadline:
                 raise CommandError(f"no server at {uri} after {args.connect_timeout:g} s "
@@ -3548,7 +3551,7 @@ def parse_eval_flags(argv: list[str]) -> argparse.Namespace:
     add("--serve", action="store_true", help="serve the policy to env clients instead, on --port")
     add("--host", default="127.0.0.1", help="with --serve (default: loopback only)")
     add("--port", type=int, default=8000, help="with --serve (default: 8000; 0 picks a free one)")
-    add_token_flag(add)
+    add_api_key_flag(add)
     args = parser.parse_args(argv)
     if args.episodes < 0 or (args.episodes == 0 and not args.serve):
         parser.error("--episodes must be at least 1 (0 only with --serve)")
@@ -3565,8 +3568,8 @@ def serve_trained(policy: BaseTorchPolicy, uid: str, env_id: str | None,
     if in_a_notebook():  # [notebook] its kernel's loop holds this thread: serve from a shell
         raise UsageError("eval --serve runs from a shell, not a notebook cell")  # [notebook]
     algo = EvalAlgorithm(config, policy)
-    warn_without_token(args.host, args.token)
-    server = Server(algo, None, (uid, "eval"), token=args.token)
+    warn_without_api_key(args.host, args.api_key)
+    server = Server(algo, None, (uid, "eval"), api_key=args.api_key)
     record = {"evaluates": args.run_dir, "checkpoint": args.checkpoint, "env": env_id,
               "policy": uid, "eval_config": dataclasses.asdict(config)}
 
@@ -3679,11 +3682,11 @@ def server_main(argv: list[str], plugins: list[str] = (),
                                f"{error.args[0]!r}, which {words[2]}'s load_checkpoint "
                                "reads") from None
         print(f"resumed from step {checkpoint.step} in {resume}", flush=True)
-    warn_without_token(args.host, args.token)
+    warn_without_api_key(args.host, args.api_key)
     server = Server(algo, args.run_dir, (words[0], words[2]),
                     max_message_bytes=args.max_message_bytes,
                     max_envs_per_client=args.max_envs_per_client,
-                    feedback_timeout=args.feedback_timeout, token=args.token,
+                    feedback_timeout=args.feedback_timeout, api_key=args.api_key,
                     learn_threads=args.learn_threads,  # [learn-threads]
                     trace=args.trace,  # [trace]
                     ranks=ranks,  # [ranks]
@@ -3805,10 +3808,11 @@ def json_object(text: str) -> dict:
     return value
 
 
-def add_token_flag(add) -> None:
-    """--token, by default $PLUGRL_TOKEN; an empty one is no token, on the server and clients."""
-    add("--token", default=os.environ.get("PLUGRL_TOKEN"), type=lambda text: text or None,
-        help="the secret a client sends at the handshake (default: $PLUGRL_TOKEN; empty: none)")
+def add_api_key_flag(add) -> None:
+    """--api-key, by default $PLUGRL_API_KEY; an empty one is none, on the server and clients."""
+    add("--api-key", default=os.environ.get("PLUGRL_API_KEY"), type=lambda text: text or None,
+        help="the secret a client sends at the handshake, as 'Authorization: Api-Key KEY' "
+        "(default: $PLUGRL_API_KEY; empty: none)")
 
 
 def add_server_flags(add) -> None:
@@ -3848,7 +3852,7 @@ def add_server_flags(add) -> None:
         help="narrate the first N frames and learns (default: 0)")  # [trace]
     add("--feedback-timeout", type=float, default=60.0, metavar="S", help="seconds of serving "
         "an environment may owe feedback for an action, also the ping interval (default: 60)")
-    add_token_flag(add)
+    add_api_key_flag(add)
 
 
 def known_environment(args: argparse.Namespace, words: list[str]) -> tuple[str, VecEnv] | None:
@@ -3976,12 +3980,12 @@ def start_local_clients(server: Server, args: argparse.Namespace, local_env: str
                    *(["--env-kwargs", json.dumps(args.env_kwargs)] if args.env_kwargs else [])]
     if not args.local_env_clients:
         command = f"python {os.path.basename(__file__)} {' '.join(client_args)}"
-        command += " --token TOKEN" * bool(args.token)  # the secret is not printed
+        command += " --api-key KEY" * bool(args.api_key)  # the secret is not printed
         print(f"no env clients yet: start one in another terminal with\n  {command}\n"
               "or run this server with --local-env-clients 1 to do both in one command",
               flush=True)
     environment = dict(os.environ)
-    environment["PLUGRL_TOKEN"] = args.token or ""  # off the command line, as a secret
+    environment["PLUGRL_API_KEY"] = args.api_key or ""  # off the command line, as a secret
     # The folders this process imports from, the plug-ins' too (a package's, a notebook's own).
     environment["PYTHONPATH"] = os.pathsep.join(os.path.abspath(path) for path in sys.path)
     for i in range(1, args.local_env_clients + 1):
@@ -4041,7 +4045,7 @@ def env_client_main(argv: list[str]) -> int:
     add("--summary-json", help="write the summary here as one JSON object")
     add("--connect-timeout", type=float, default=30.0, help="seconds to wait for the server "
         "(default: 30)")
-    add_token_flag(add)
+    add_api_key_flag(add)
     add("--closed-loop-steps", type=int, metavar="K",
         help="hold each decision for K physical steps, acted out by --controller")
     add("--controller", default="track", help="track (dummy-v1, pendulum-v1) (default: track)")

@@ -107,8 +107,8 @@ wire = pytest.mark.wire
 # --- The command line, in subprocesses or in this process; waiting on a child's files -------------
 
 def subprocess_env(pythonpath=None) -> dict:
-    """The environment of a child process: unbuffered, no token, plug-ins found through PYTHONPATH."""
-    env = {key: value for key, value in os.environ.items() if key != "PLUGRL_TOKEN"}
+    """The environment of a child process: unbuffered, no API key, plug-ins found through PYTHONPATH."""
+    env = {key: value for key, value in os.environ.items() if key != "PLUGRL_API_KEY"}
     env["PYTHONUNBUFFERED"] = "1"
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), os.environ.get("PYTHONPATH")]))
@@ -1010,7 +1010,7 @@ def _run_over_the_wire(tmp_path, steps, num_envs, episodes, mode="sum", env_id="
         assert listening in done, "the server did not start listening"
         args = argparse.Namespace(
             env_id=env_id, server_host="127.0.0.1", server_port=listening.result(), num_episodes=episodes,
-            num_envs=num_envs, seed=0, summary_json=str(summary_path), connect_timeout=10, token=None,
+            num_envs=num_envs, seed=0, summary_json=str(summary_path), connect_timeout=10, api_key=None,
             closed_loop_steps=steps, controller="track", reward_aggregation=mode, env_kwargs=None)
         try:
             client_status = await asyncio.wait_for(plugrl_min.run_env_client(args), 60)
@@ -1276,7 +1276,7 @@ def test_a_text_frame_from_the_server_is_fatal_to_the_env_client_never_parsed_no
 
 @wire
 def test_the_env_client_takes_a_frame_of_any_size_from_the_server(capsys):
-    with ServerThread(serving_dummy_v1(padding=2**24 + 1)) as server:  # over any cap this server has had
+    with ServerThread(serving_dummy_v1(padding=2**25 + 1)) as server:  # over the server's own cap
         status = env_client_against(server, "--num-episodes", "1")
     assert status == 0 and capsys.readouterr().out.startswith("done | episodes 1 ")
 
@@ -1831,7 +1831,7 @@ class HoldsTheLateClient(plugrl_min.Server):
         self.ended = asyncio.Event()
         self.arrived = {"handshake": 0, "open": 0}
 
-    async def hold_handshake(self, connection, request):  # the token check's place in the handshake
+    async def hold_handshake(self, connection, request):  # the API key check's place in the handshake
         self.arrived["handshake"] += 1
         if self.hold == "handshake" and self.arrived["handshake"] == 2:
             await self.ended.wait()
@@ -1858,7 +1858,7 @@ def run_with_a_late_client(tmp_path, hold):
         server = HoldsTheLateClient(StopsAfterTwoFrames(), str(tmp_path), ("dummy-policy", "probe"))
         server.hold = hold
         ports = asyncio.Queue()
-        with unittest.mock.patch.object(plugrl_min, "token_check", lambda token: server.hold_handshake):
+        with unittest.mock.patch.object(plugrl_min, "api_key_check", lambda api_key: server.hold_handshake):
             run = asyncio.create_task(server.run("127.0.0.1", 0, on_listening=ports.put_nowait))
             port = await ports.get()
         first = await Client.connect(port)
@@ -4635,7 +4635,7 @@ def test_a_resumed_run_counts_its_learns_frames_and_time_on_from_its_checkpoint(
 # 13. Clients: their messages checked, how long they may owe feedback, who may connect
 # =============================================================================================
 # Bad input costs only its sender: an error message, then that connection alone is closed (1008; 1009
-# for a frame too big). The feedback timeout and the token, each under its own heading.
+# for a frame too big). The feedback timeout and the API key, each under its own heading.
 
 # --- Every field of every client message: wrong dtype, wrong shape, missing -----------------------
 
@@ -5227,7 +5227,7 @@ def test_feedback_with_a_malformed_info_episode_gets_an_error_and_the_server_kee
     assert [float(frame["runtime_state"]["tag"]) for frame in algo.frames] == [1.0]
 
 
-# --- Sizes: --max-message-bytes (16 MiB by default), --max-envs-per-client ------------------------
+# --- Sizes: --max-message-bytes (32 MiB by default), --max-envs-per-client ------------------------
 
 @wire
 def test_a_frame_over_max_message_bytes_closes_that_connection_with_1009_and_the_server_carries_on(tmp_path):
@@ -5262,15 +5262,23 @@ def test_an_env_client_refused_for_size_stops_at_once_naming_the_limit_and_the_f
 
 
 @wire
-def test_the_default_max_message_bytes_is_16_mib(tmp_path):
+def test_the_default_max_message_bytes_is_32_mib(tmp_path):
     async def script(port, server):
         at_limit, over = await Client.connect(port), await Client.connect(port)
-        await at_limit.ws.send(b"\0" * 2**24)  # read, then refused as a malformed message
-        await over.ws.send(b"\0" * (2**24 + 1))  # refused for its size
+        await at_limit.ws.send(b"\0" * 2**25)  # read, then refused as a malformed message
+        await over.ws.send(b"\0" * (2**25 + 1))  # refused for its size
         return await outcome_of(at_limit.ws), await outcome_of(over.ws)
 
     _, outcomes = run_server(Probe(), tmp_path, script)
     assert outcomes == (AN_ERROR_THEN_A_CLOSE, TOO_BIG_A_FRAME)
+
+
+def test_the_default_frame_cap_is_over_twice_a_feedback_of_64_plugrl_dummy_v1_environments_with_both_cameras():
+    one = plugrl_dummy_v1_observation(["pick up the cube"])
+    obs = {group: {key: np.repeat(array, 64, axis=0) for key, array in one[group].items()}
+           for group in ("images", "states")} | {"text": ["pick up the cube"] * 64}
+    frame = pack_message(feedback_message(range(64), obs=obs, rewards=np.zeros(64)))
+    assert 12_000_000 < len(frame) < plugrl_min.MAX_MESSAGE_BYTES / 2  # room for an info holding it again
 
 
 @wire
@@ -5501,65 +5509,66 @@ def test_a_paused_client_survives_a_pause_shorter_than_the_timeout_and_is_droppe
         assert server.wait(30) == 0
 
 
-# --- The token: loopback by default; --token / PLUGRL_TOKEN checked at the handshake --------------
+# --- Who may connect: loopback by default; --api-key / PLUGRL_API_KEY checked at the handshake -------
 
-@pytest.mark.parametrize("authorization", [None, "Bearer wrong", "s3cret", "Bearer s3cret2", "Bearer "],
-                         ids=["no token", "wrong token", "no Bearer", "longer token", "empty token"])
+@pytest.mark.parametrize("authorization", [None, "Api-Key wrong", "s3cret", "Bearer s3cret", "Api-Key s3cret2",
+                                           "Api-Key "],
+                         ids=["no key", "wrong key", "no scheme", "Bearer", "longer key", "empty key"])
 @wire
-def test_the_server_refuses_at_the_handshake_a_client_without_the_same_token(tmp_path, authorization):
+def test_the_server_refuses_at_the_handshake_a_client_without_the_same_api_key(tmp_path, authorization):
     async def script(port, server):
         headers = {"Authorization": authorization} if authorization is not None else None
         with pytest.raises(websockets.InvalidStatus) as refused:
             await connect(f"ws://127.0.0.1:{port}", additional_headers=headers, proxy=None, open_timeout=10)
         return refused.value.response.status_code, len(server.connections)
 
-    _, (code, connections) = run_server(Probe(), tmp_path, script, token="s3cret")
+    _, (code, connections) = run_server(Probe(), tmp_path, script, api_key="s3cret")
     assert code == 401 and connections == 0
 
 
 @wire
-def test_the_server_serves_a_client_with_the_token(tmp_path):
+def test_the_server_serves_a_client_sending_authorization_api_key_with_its_key(tmp_path):
     async def script(port, server):
-        ws = await connect(f"ws://127.0.0.1:{port}", additional_headers={"Authorization": "Bearer s3cret"},
+        ws = await connect(f"ws://127.0.0.1:{port}", additional_headers={"Authorization": "Api-Key s3cret"},
                            proxy=None, open_timeout=10)
         client = Client(ws, unpack_message(await asyncio.wait_for(ws.recv(), 10)))
         reply = await client.step([0], [1])
         await client.close()
         return client.metadata["message_type"], len(actions_of(reply))
 
-    _, (kind, actions) = run_server(Probe(), tmp_path, script, token="s3cret")
+    _, (kind, actions) = run_server(Probe(), tmp_path, script, api_key="s3cret")
     assert (kind, actions) == ("metadata", 1)
 
 
 @wire
-def test_env_clients_without_the_servers_token_exit_nonzero_and_with_it_train(tmp_path, monkeypatch, capsys):
-    monkeypatch.delenv("PLUGRL_TOKEN", raising=False)
+def test_env_clients_without_the_servers_api_key_exit_nonzero_and_with_it_train(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("PLUGRL_API_KEY", raising=False)
 
-    async def script(port, server):  # the clients in this process, one after the other: PLUGRL_TOKEN is global
+    async def script(port, server):  # the clients in this process, one after the other: PLUGRL_API_KEY is global
         args = ["dummy-v1", "--server-port", port, "--num-episodes", "2"]
         outputs = []
-        for extra, token in (([], None), (["--token", "s3cret"], None), ([], "s3cret")):
-            if token is not None:
-                monkeypatch.setenv("PLUGRL_TOKEN", token)  # read as the client parses its flags
+        for extra, key in (([], None), (["--api-key", "s3cret"], None), ([], "s3cret")):
+            if key is not None:
+                monkeypatch.setenv("PLUGRL_API_KEY", key)  # read as the client parses its flags
             status = await env_client_in_process(*args, *extra)
             outputs.append((status, *capsys.readouterr()))
         return outputs
 
-    _, (without, flag, environment) = run_server(Probe(), tmp_path, script, token="s3cret")
+    _, (without, flag, environment) = run_server(Probe(), tmp_path, script, api_key="s3cret")
     assert without[0] != 0
-    assert "env-client: the server refused the connection (HTTP 401): wrong or missing --token?" in without[2]
+    assert "env-client: the server refused the connection (HTTP 401): wrong or missing --api-key?" in without[2]
     assert (flag[0], environment[0]) == (0, 0), flag[2] + environment[2]
     assert "done | episodes 2 |" in flag[1] and "done | episodes 2 |" in environment[1]
 
 
-def serve_on_a_taken_port(host, tmp_path, capsys, monkeypatch, token=None) -> str:
+def serve_on_a_taken_port(host, tmp_path, capsys, monkeypatch, api_key=None) -> str:
     """server_main on a port held by a listening socket: it prints its warnings, then fails to bind.
 
     Nothing ever listens on the non-loopback address, so the test exposes nothing to the network.
     """
-    monkeypatch.delenv("PLUGRL_TOKEN", raising=False)
-    if token is not None:
-        monkeypatch.setenv("PLUGRL_TOKEN", token)
+    monkeypatch.delenv("PLUGRL_API_KEY", raising=False)
+    if api_key is not None:
+        monkeypatch.setenv("PLUGRL_API_KEY", api_key)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -5570,26 +5579,26 @@ def serve_on_a_taken_port(host, tmp_path, capsys, monkeypatch, token=None) -> st
     return err
 
 
-def test_binding_a_non_loopback_address_without_a_token_prints_a_warning(tmp_path, capsys, monkeypatch):
+def test_binding_a_non_loopback_address_without_an_api_key_prints_a_warning(tmp_path, capsys, monkeypatch):
     err = serve_on_a_taken_port("0.0.0.0", tmp_path, capsys, monkeypatch)
-    assert "warning: serving on 0.0.0.0 without --token" in err
+    assert "warning: serving on 0.0.0.0 without --api-key" in err
 
 
-def test_binding_a_non_loopback_address_with_plugrl_token_prints_no_warning(tmp_path, capsys, monkeypatch):
-    err = serve_on_a_taken_port("0.0.0.0", tmp_path, capsys, monkeypatch, token="s3cret")
+def test_binding_a_non_loopback_address_with_plugrl_api_key_prints_no_warning(tmp_path, capsys, monkeypatch):
+    err = serve_on_a_taken_port("0.0.0.0", tmp_path, capsys, monkeypatch, api_key="s3cret")
     assert "warning" not in err
 
 
-@pytest.mark.parametrize("how", ["PLUGRL_TOKEN=", "--token ''"])
-def test_an_empty_token_is_no_token_and_trains_with_a_local_client(tmp_path, how):
-    env = {**subprocess_env(), "PLUGRL_TOKEN": ""}
-    flags = ["--token", ""] if how.startswith("--token") else []
+@pytest.mark.parametrize("how", ["PLUGRL_API_KEY=", "--api-key ''"])
+def test_an_empty_api_key_is_none_and_trains_with_a_local_client(tmp_path, how):
+    env = {**subprocess_env(), "PLUGRL_API_KEY": ""}
+    flags = ["--api-key", ""] if how.startswith("--api-key") else []
     status = subprocess.run(dummy_run_command("--run-dir", tmp_path / "run", "--host", "0.0.0.0", *flags),
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
                             stdin=subprocess.DEVNULL)
     assert status.returncode == 0, status.stderr
     assert checkpoint_steps(tmp_path / "run") == [2000]
-    assert "without --token" in status.stderr  # and that is true: anyone may connect
+    assert "without --api-key" in status.stderr  # and that is true: anyone may connect
 
 
 # =============================================================================================
@@ -6649,15 +6658,15 @@ def test_a_server_started_alone_says_how_to_start_a_client(tmp_path):
 
 @pytest.mark.parametrize("algo, env_id", [("dummy", "dummy-v1"), ("sac", "pendulum-v1")])
 @wire
-def test_the_hint_to_start_a_client_names_the_algorithms_environment_and_the_token_flag(tmp_path, algo, env_id):
+def test_the_hint_to_start_a_client_names_the_algorithms_environment_and_the_api_key_flag(tmp_path, algo, env_id):
     command = ["plugrl_min.py", "dummy-policy", "default", algo, "default", "--port", "0", "--run-dir",
-               str(tmp_path / "run"), "--token", "s3cret"]  # sac's example_env: the pendulum it learns
+               str(tmp_path / "run"), "--api-key", "s3cret"]  # sac's example_env: the pendulum it learns
     with Background(tmp_path, "server", command) as server:
         port = server.port()
         wait_for(lambda: "another terminal" in server.stdout(), 30, "the hint")
     hint = server.stdout().split("another terminal with\n")[1].splitlines()[0]
     assert hint.startswith(f"  python plugrl_min.py env-client {env_id} --server-port {port} ")
-    assert hint.endswith(" --token TOKEN") and "s3cret" not in server.stdout()
+    assert hint.endswith(" --api-key KEY") and "s3cret" not in server.stdout()
 
 
 @wire
@@ -6779,7 +6788,7 @@ def test_a_local_client_whose_log_cannot_be_read_still_stops_the_run_cleanly_nam
 
 
 def test_a_server_on_every_address_tells_its_local_clients_the_ipv4_port(tmp_path):
-    status = subprocess.run(dummy_run_command("--run-dir", tmp_path / "run", "--host", "", "--token", "t"),
+    status = subprocess.run(dummy_run_command("--run-dir", tmp_path / "run", "--host", "", "--api-key", "t"),
                             cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=180,
                             stdin=subprocess.DEVNULL)  # '' binds IPv4 and IPv6, each on a free port of its own
     assert status.returncode == 0, status.stderr
