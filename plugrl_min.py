@@ -3139,6 +3139,8 @@ async def run_env_client(args) -> int:
                                    "--num-envs per client") from None
             if reason == SERVER_STOP:
                 ending = "the server ended the run"
+            elif closed.rcvd and closed.rcvd.code == 1000:  # a normal closure: done with us
+                ending = "the server closed the connection"
             else:  # a restart or a network blink: the decision in flight is dropped
                 print(f"lost the server ({closed}); reconnecting", file=sys.stderr)
     seconds = time.perf_counter() - start

@@ -1206,10 +1206,11 @@ class ServerThread:
         self.thread.join(10)
 
 
-def serving_dummy_v1(hold_at=None, hold=0.0, closes=None, padding=0, text_at=None):
+def serving_dummy_v1(hold_at=None, hold=0.0, closes=None, padding=0, text_at=None, done_at=None):
     """A handler that answers dummy-v1's infers with zeros (its episodes last 50 decisions): it holds its loop
-    for `hold` s before decision `hold_at`, sends a text frame at decision `text_at`, pads the metadata with
-    `padding` bytes, and appends how the client closed (code, reason) to `closes`."""
+    for `hold` s before decision `hold_at`, sends a text frame at decision `text_at`, closes 1000 when
+    `done_at` decisions were answered, pads the metadata with `padding` bytes, and appends how the client
+    closed (code, reason) to `closes`."""
     meta = plugrl_min.metadata_of(small_policy(), plugrl_min.obs_spec_of(small_policy().obs_spec),
                                   ("dummy-policy", "dummy"))
     meta["data"]["padding"] = b"\0" * padding  # an extra key, which a client ignores (SPEC 5.1)
@@ -1229,6 +1230,8 @@ def serving_dummy_v1(hold_at=None, hold=0.0, closes=None, padding=0, text_at=Non
                 n = len(message["env_indices"])
                 await ws.send(pack_message(action_message(message["env_indices"], np.zeros((n, 1, 1), np.float32))))
                 decisions += 1
+                if decisions == done_at:
+                    await ws.close(1000)
         if closes is not None:
             closes.append((ws.close_code, ws.close_reason))
     return handler
@@ -1261,6 +1264,16 @@ def test_the_env_client_closes_1000_when_its_episodes_are_done(capsys):
         status = env_client_against(server, "--num-episodes", "2")
     assert status == 0 and capsys.readouterr().out.startswith("done | episodes 2 ")
     assert closes == [(1000, "")]  # not 1006: it sent a close frame before dropping the socket
+
+
+@wire
+def test_the_env_client_exits_0_without_reconnecting_when_the_server_closes_1000(capsys):
+    closes = []
+    with ServerThread(serving_dummy_v1(done_at=5, closes=closes)) as server:
+        status = env_client_against(server, "--num-episodes", "0")
+    out, err = capsys.readouterr()
+    assert status == 0 and out.startswith("the server closed the connection | episodes 0 | ") and err == ""
+    assert closes == [(1000, "")]  # one connection
 
 
 @wire
