@@ -147,9 +147,6 @@ async def run_episodes(ws, executor, num_episodes: int, tally: dict) -> None:
     await ws.send(pack_message({**infer, "data": executor.obs, "step_ids": step_ids}))
     while True:
         reply = unpack_message(await ws.recv())
-        if reply.get("message_type") == "error":
-            raise CommandError(f"the server refused a message: {reply['message']} "
-                               f"(hint: {reply['hint']})")
         # Time-major on the wire, [H, n, ...]; the executor takes [n, H, action_dim].
         action = np.moveaxis(reply["data"]["action"], 0, 1)
         if executor.env.num_actions is not None:
@@ -188,6 +185,7 @@ async def run_episodes(ws, executor, num_episodes: int, tally: dict) -> None:
 RUN_FINISHED = "run finished"  # the printed end line's prefix when the run is over
 SERVER_FAILED = "server failed"  # and when a hook raised, or a file of the run failed
 SERVER_STOP = "plugrl-server-stop"  # the reason of every close 1001 at the run's end (SPEC 7.1)
+SERVER_RESYNC = "plugrl-server-resync"  # and of one client's, for a message refused (SPEC 7.2)
 INTERNAL_ERROR = "Internal server error."  # the reason of every close 1011 (SPEC 7.4)
 NO_NODE = (-1, "")  # prev_node when there is no stored frame of this environment to link to
 
@@ -228,8 +226,9 @@ class Connection:
     """One env client: its WebSocket and its environments, by the client's own env_indices."""
 
     ws: typing.Any
-    number: int  # for the trace: connections in the order they came
+    number: int  # for the trace and the log: connections in the order they came
     slots: dict = dataclasses.field(default_factory=dict)  # env index -> EnvSlot
+    expects: str = "infer"  # the message it may send next: infer, then feedback (SPEC 4.2)
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -329,7 +328,7 @@ class Server:
         return finish_run(self, code, reason, status)
 
     async def handle_client(self, ws) -> None:
-        """Send the metadata, then check and queue every message; a bad one closes this one."""
+        """Send the metadata, then check and queue every message; a bad one resyncs this one."""
         conn = Connection(ws, next(self.connection_numbers))
         self.connections.add(conn)
         try:
@@ -338,7 +337,7 @@ class Server:
                 try:
                     self.inbox.append(self.accept(conn, unpack_message(frame)))
                 except Exception as error:  # whatever a client sends costs only its connection
-                    await reject(self, conn, error)
+                    await resync(self, conn, error)
                     return
                 self.wake.set()
         except ConnectionClosed:
@@ -351,6 +350,10 @@ class Server:
         """Check a message and move its environments on; handle_client queues what it returns. A
         feedback takes each environment's step state out of its slot now: it may infer again."""
         kind, env_ids = check_message(message, self.obs_spec)
+        if kind != conn.expects:  # each connection: infer, action, feedback, in turn
+            raise ProtocolError(f"{kind} where {conn.expects} was due",
+                                "send one feedback after every action, then infer")
+        conn.expects = "feedback" if kind == "infer" else "infer"
         if kind == "infer":
             check_env_cap(conn, env_ids, self.max_envs)  # one client must not hold the loop
             slots = [conn.slots.setdefault(i, EnvSlot()) for i in env_ids]
@@ -363,12 +366,15 @@ class Server:
             return InferRequest(conn, message["env_indices"], message["data"])
         slots = [conn.slots.get(i) for i in env_ids]
         steps = [slot and slot.step for slot in slots]
-        if None in steps:
-            raise ProtocolError("feedback: an environment in env_indices has no action to "
-                                "answer", "send feedback only for environments given an action")
-        for slot in slots:
-            slot.step = None
-        return FeedbackMessage(conn, frames_of(env_ids, slots, steps, message["data"]))
+        if None in steps:  # an action of an earlier connection: a frame built from nothing
+            print(f"client {conn.number}: feedback for environments with no step state on this "
+                  f"connection, {[i for i, step in zip(env_ids, steps) if step is None]}: not "
+                  "stored", file=sys.stderr, flush=True)
+        for slot, step in zip(slots, steps):
+            if step is not None:
+                slot.step = None
+        frames = frames_of(env_ids, slots, steps, message["data"])
+        return FeedbackMessage(conn, [frame for frame in frames if frame.step is not None])
 
     async def control_loop(self) -> None:
         """Route feedback; learn while should_learn(); save; stop; answer the waiting infers."""
@@ -2540,9 +2546,10 @@ def start(argv: list[str]) -> Serving:
 
 # ===== 13. Clients: their messages checked, how long they may owe feedback, who may connect =====
 # PlugRL page: infer(obs) and feedback(...)'s arguments, as they arrive from other processes, in
-# any language: every field is checked against the protocol reference in README.md, and a bad
-# one gets an error naming the field and what it must be. The algorithm only sees messages that
-# passed. Then the feedback timeout and the API key. A first reading skips these.
+# any language: every field is checked against the protocol reference in README.md; a bad one
+# closes its connection for a resync, the log naming the field and what it must be. The
+# algorithm only sees messages that passed. Then the feedback timeout and the API key. A first
+# reading skips these.
 
 def metadata_of(policy: BaseTorchPolicy, obs_spec: dict, names: tuple[str, str]) -> dict:
     """The metadata message (SPEC 5.1): PlugRL's keys, then this server's own beside them: what
@@ -2584,7 +2591,7 @@ def check_message(message: dict, obs_spec: dict) -> tuple[str, list]:
     """Check an infer or feedback message field by field (SPEC 5.2, 5.4): (message_type,
     env_indices as ints). Its data's observation becomes what the policy is given (check_obs)."""
     kind = message.get("message_type")
-    if kind not in ("infer", "feedback"):
+    if not (isinstance(kind, str) and kind in ("infer", "feedback")):  # not an array: == by element
         raise ProtocolError(f"message_type must be 'infer' or 'feedback'; got {str(kind)[:40]!r}")
     indices = message.get("env_indices", MISSING)
     if not (isinstance(indices, np.ndarray) and indices.dtype == np.int64 and indices.ndim == 1):
@@ -2697,15 +2704,15 @@ def check_env_cap(conn: Connection, env_ids: list, max_envs: int) -> None:
                             "step fewer environments per client, or start more clients")
 
 
-async def reject(server: Server, conn: Connection, error: Exception) -> None:
-    """Tell the client what was wrong, then close its connection (and no other)."""
+async def resync(server: Server, conn: Connection, error: Exception) -> None:
+    """Close one client's connection for a resync (SPEC 7.2), why in the server's log: the client
+    reconnects and starts again from an infer; the server and its other clients carry on."""
     if not isinstance(error, ProtocolError):
         error = ProtocolError(f"malformed message ({type(error).__name__}: {error})")
     server.connections.discard(conn)
-    reply = {"message_type": "error", "message": str(error), "hint": error.hint}
-    with contextlib.suppress(ConnectionClosed):
-        await conn.ws.send(pack_message(reply))
-        await conn.ws.close(1008, str(error).encode()[:120].decode(errors="ignore"))
+    print(f"client {conn.number}: {error} (hint: {error.hint}): closed 1001 {SERVER_RESYNC}",
+          file=sys.stderr, flush=True)
+    await conn.ws.close(1001, SERVER_RESYNC)
 
 
 # --- How long a client may owe feedback: --feedback-timeout S ----------------------------------
@@ -3114,13 +3121,14 @@ async def run_env_client(args) -> int:
                                          args.closed_loop_steps, args.reward_aggregation)
     executor.reset()
     tally = {"returns": [], "env_steps": 0, "decisions": 0}  # kept across reconnections
-    start, ending = None, None
+    start, ending, resyncs = None, None, 0
     while ending is None:
         ws = await connect_to_server(args)
         start = start or time.perf_counter()  # the wait for the first server is not counted
         if ws is None:
             ending = "the server ended the run"
             continue
+        decisions = tally["decisions"]
         try:
             async with ws:  # closed 1000 when done, as a client that stops should (SPEC 7.5)
                 await run_episodes(ws, executor, args.num_episodes, tally)
@@ -3129,20 +3137,11 @@ async def run_env_client(args) -> int:
             raise CommandError(f"the server failed: it sent what is not a message ({error}); "
                                "its output or log says why") from None
         except ConnectionClosed as closed:
-            reason = closed.rcvd.reason if closed.rcvd else ""
-            if closed.rcvd and closed.rcvd.code == 1011:  # its traceback is in its output
-                raise CommandError(f"the server failed (1011 {reason}): its traceback is in its "
-                                   "output, or its log") from None
-            if closed.rcvd and closed.rcvd.code == 1009:  # resending the same message cannot help
-                raise CommandError(f"the server refused a message as too large ({reason}): "
-                                   "raise the server's --max-message-bytes, or step fewer "
-                                   "--num-envs per client") from None
-            if reason == SERVER_STOP:
-                ending = "the server ended the run"
-            elif closed.rcvd and closed.rcvd.code == 1000:  # a normal closure: done with us
-                ending = "the server closed the connection"
-            else:  # a restart or a network blink: the decision in flight is dropped
-                print(f"lost the server ({closed}); reconnecting", file=sys.stderr)
+            # Resyncs in a row, each after one action or none: the server refuses what we send.
+            resync = closed.rcvd is not None and closed.rcvd.reason == SERVER_RESYNC
+            at_once = tally["decisions"] - decisions <= env.num_envs
+            resyncs = (resyncs if at_once else 0) + resync
+            ending = after_close(closed, resyncs)
     seconds = time.perf_counter() - start
     returns = tally["returns"]
     mean_return = float(np.mean(returns)) if returns else float("nan")
@@ -3154,6 +3153,31 @@ async def run_env_client(args) -> int:
             json.dump({"episodes": len(returns), "mean_return": mean_return, "seconds": seconds,
                        **tally}, file)
     return 0
+
+
+def after_close(closed: ConnectionClosed, resyncs: int) -> str | None:
+    """What a close from the server means to the env client: the run's end (the line it ends its
+    output with), a failure (CommandError), or None: reconnect, the decision in flight dropped."""
+    reason = closed.rcvd.reason if closed.rcvd else ""
+    if closed.rcvd and closed.rcvd.code == 1011:  # its traceback is in its output
+        raise CommandError(f"the server failed (1011 {reason}): its traceback is in its output, "
+                           "or its log")
+    if closed.rcvd and closed.rcvd.code == 1009:  # resending the same message cannot help
+        raise CommandError(f"the server refused a message as too large ({reason}): raise the "
+                           "server's --max-message-bytes, or step fewer --num-envs per client")
+    if reason == SERVER_RESYNC and resyncs >= 3:  # a bug here: reconnecting cannot mend it
+        raise CommandError(f"the server refused this client's messages {resyncs} times in a "
+                           f"row (1001 {SERVER_RESYNC}): its output or log says why")
+    if reason == SERVER_STOP:
+        return "the server ended the run"
+    if closed.rcvd and closed.rcvd.code == 1000:  # a normal closure: done with us
+        return "the server closed the connection"
+    if reason == SERVER_RESYNC:  # the feedback it held is dropped, and it starts with an infer
+        print("the server asked for a resync (its output says why); reconnecting",
+              file=sys.stderr)
+    else:  # a restart, a network blink, the feedback timeout
+        print(f"lost the server ({closed}); reconnecting", file=sys.stderr)
+    return None
 
 
 # ===== [pendulum] pendulum-v1: Gymnasium's Pendulum-v1, in numpy =====
