@@ -4878,6 +4878,7 @@ def test_text_as_a_u_array_or_a_list_of_str_reaches_the_algorithm_as_a_u_array(t
     ("obs of the wrong shape", "infer.data.states.state must be float32 [1, 3]; got float32 [1, 2]"),
     ("feedback before any action", "feedback where infer was due"),
     ("two infers in a row", "infer where feedback was due"),
+    ("two feedbacks in a row", "feedback where infer was due"),
 ])
 @contract
 @wire
@@ -4896,6 +4897,10 @@ def test_a_protocol_violation_closes_that_connection_alone_for_a_resync_and_the_
             await offender.ws.send(pack_message(infer_message([0], obs=observation(1, states={"state": np.zeros((1, 2), np.float32)}))))
         elif bad == "feedback before any action":
             await offender.feedback([0], [2])
+        elif bad == "two feedbacks in a row":  # one action answered by two: one per action, its rows in it
+            await offender.infer([0, 1], [2, 2])
+            await offender.feedback([0], [2])
+            await offender.feedback([1], [2])
         else:
             await offender.infer([0], [2])
             await offender.ws.send(pack_message(infer_message([1], [2])))
