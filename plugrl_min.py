@@ -26,8 +26,7 @@ the env client, and the command line in named steps.
 Optional features are one block each, under a banner "# ===== [NAME] ...": learn-threads, ranks,
 trace, tensorboard, report, notebook, pendulum, cartpole, gym, eval. Each line elsewhere that
 belongs to one carries a comment that begins "# [NAME]". Delete a block and its lines, and the
-rest still serves, learns and saves.
-"""
+rest still serves, learns and saves."""
 
 from __future__ import annotations  # an annotation may name a class defined further down
 
@@ -137,10 +136,12 @@ def episode_info(info: dict) -> dict:
     return {"episode": episode} if episode["mask"].any() else {}
 
 
-async def run_episodes(ws, executor, num_episodes: int, tally: dict) -> None:
+async def run_episodes(ws, executor, num_episodes: int, tally: dict, reuse_obs=True) -> None:
     """The client's loop: infer, execute the decision, reset what finished, send feedback."""
     closed_loop = isinstance(executor, ClosedLoopMultiAction)
-    check_metadata(unpack_message(await ws.recv()), executor, closed_loop)
+    meta = unpack_message(await ws.recv())
+    check_metadata(meta, executor, closed_loop)
+    reuse_obs = reuse_obs and REUSE in meta["data"].get("features", [])
     env_indices = np.arange(executor.env.num_envs, dtype=np.int64)
     step_ids = np.zeros_like(env_indices)  # each episode's decisions so far; the server reads none
     infer = {"message_type": "infer", "env_indices": env_indices}
@@ -173,7 +174,10 @@ async def run_episodes(ws, executor, num_episodes: int, tally: dict) -> None:
             return
         # The next infer is packed first, so that the two frames leave back to back and the
         # server reads them at once: one pass of its loop for both, not one each.
-        next_infer = pack_message({**infer, "data": executor.obs, "step_ids": step_ids})
+        next_infer = {**infer, "data": executor.obs, "step_ids": step_ids}
+        if reuse_obs:  # the server holds what the feedback carries: send only the new episodes'
+            next_infer.update(data=slice_rows(executor.obs, done), reuse=~done)
+        next_infer = pack_message(next_infer)
         await ws.send(frame)
         await ws.send(next_infer)
 
@@ -182,10 +186,9 @@ async def run_episodes(ws, executor, num_episodes: int, tally: dict) -> None:
 # PlugRL page: "Server contract" and "What the loop implies for the hooks". First what a frame
 # leaves on the server while it is in flight, then Server's core, in the order a frame meets it.
 
-RUN_FINISHED = "run finished"  # the printed end line's prefix when the run is over
-SERVER_FAILED = "server failed"  # and when a hook raised, or a file of the run failed
 SERVER_STOP = "plugrl-server-stop"  # the reason of every close 1001 at the run's end (SPEC 7.1)
 SERVER_RESYNC = "plugrl-server-resync"  # and of one client's, for a message refused (SPEC 7.2)
+REUSE = "reuse-feedback-obs"  # the one feature of the metadata's list: see reused_obs (SPEC 10.1)
 INTERNAL_ERROR = "Internal server error."  # the reason of every close 1011 (SPEC 7.4)
 NO_NODE = (-1, "")  # prev_node when there is no stored frame of this environment to link to
 
@@ -219,6 +222,7 @@ class EnvSlot:
     terminated: bool = False  # how its previous frame ended: feedback(terminated=, truncated=)
     truncated: bool = False
     prev_node: tuple = NO_NODE  # what feedback returned for its previous stored frame
+    fed: tuple | None = None  # (obs batch, row) of its last feedback, for an infer's reuse
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -363,6 +367,8 @@ class Server:
                     raise ProtocolError(f"infer: environment {i} {owes}",
                                         "send feedback after every action, then infer")
                 slot.waiting = True
+            if message.get("reuse") is not None:
+                message["data"] = reused_obs(slots, env_ids, message["reuse"], message["data"])
             return InferRequest(conn, message["env_indices"], message["data"])
         slots = [conn.slots.get(i) for i in env_ids]
         steps = [slot and slot.step for slot in slots]
@@ -370,10 +376,12 @@ class Server:
             print(f"client {conn.number}: feedback for environments with no step state on this "
                   f"connection, {[i for i, step in zip(env_ids, steps) if step is None]}: not "
                   "stored", file=sys.stderr, flush=True)
-        for slot, step in zip(slots, steps):
-            if step is not None:
-                slot.step = None
-        frames = frames_of(env_ids, slots, steps, message["data"])
+        data = message["data"]
+        done = (data["terminated"] | data["truncated"]).tolist()
+        for row, (slot, step) in enumerate(zip(slots, steps)):
+            if step is not None:  # its observation is kept for a reuse, unless it ended an episode
+                slot.step, slot.fed = None, None if done[row] else (data["obs"], row)
+        frames = frames_of(env_ids, slots, steps, data)
         return FeedbackMessage(conn, [frame for frame in frames if frame.step is not None])
 
     async def control_loop(self) -> None:
@@ -409,8 +417,7 @@ class Server:
             first = row
             for i in request.env_indices.tolist():
                 slot = request.conn.slots[i]
-                slot.waiting = False
-                slot.step = StepState(batch, row)
+                slot.waiting, slot.step = False, StepState(batch, row)
                 row += 1
             rows = action[first:row]  # [n, H, action_dim]; a discrete action is [H, n] on the wire
             rows = rows[..., 0] if self.algo.policy.num_actions is not None else rows
@@ -442,8 +449,7 @@ class Server:
     def route_feedback(self, message: FeedbackMessage) -> None:
         """The routing rule: feedback() for frames the algorithm stores, discard_feedback() else."""
         for frame in message.frames:
-            slot = frame.slot
-            step = frame.step
+            slot, step = frame.slot, frame.step
             reason = discard_reason(self.algo, self.version, step)
             if reason is not None:
                 self.algo.discard_feedback(info=frame.info, next_terminated=frame.next_terminated,
@@ -463,8 +469,7 @@ class Server:
                     self.record.add(log)
             trace_frame(self, message.conn, frame, node, reason)  # [trace] the first N frames
             slot.prev_node = node
-            slot.terminated = frame.next_terminated
-            slot.truncated = frame.next_truncated
+            slot.terminated, slot.truncated = frame.next_terminated, frame.next_truncated
         self.frames += len(message.frames)
 
     async def learn_once(self) -> None:
@@ -592,8 +597,7 @@ class Checkpoint:
     """What create_checkpoint returns and load_checkpoint receives.
 
     Keep every value a tensor or a plain Python value (dict, list, int, float, str, bool, None):
-    checkpoints load with torch.load(weights_only=True), which refuses anything else.
-    """
+    checkpoints load with torch.load(weights_only=True), which refuses anything else."""
 
     step: int
     model: dict | None
@@ -660,8 +664,7 @@ class BaseAlgorithm(abc.ABC):
     The server calls the hooks one at a time, never two at once. Before it serves, the command
     line calls init_optimizers() and, with --resume, load_checkpoint(); then every hook runs from
     the control task, except learn(), which runs in the learn thread while that task waits for it.
-    (Under several ranks, the other ranks call pre_learn, learn and post_learn: serve_as_learner.)
-    """
+    Under several ranks, the other ranks call pre_learn, learn and post_learn: serve_as_learner."""
 
     # The routing rule. True: feedback() gets only frames whose action came from the current
     # policy, while no learn is due. False (a replay-buffer learner): every frame.
@@ -669,8 +672,7 @@ class BaseAlgorithm(abc.ABC):
     example_env: str | None = None  # plugrl_min's own: what --local-env and the hint default to
 
     def __init__(self, config: BaseAlgoConfig, policy: BaseTorchPolicy):
-        self.config = config
-        self.policy = policy
+        self.config, self.policy = config, policy
         self.global_step = 0
         self._episodes = []  # (return, length, success) of the episodes since the last learn
 
@@ -682,8 +684,7 @@ class BaseAlgorithm(abc.ABC):
         """Keep what learning will need of a runtime state (pg: the sample each action came from).
 
         It runs once per infer batch, right after infer; each environment's row comes back as
-        feedback(train_state=), so a buffer stores that, not the whole runtime state.
-        """
+        feedback(train_state=), so a buffer stores that, not the whole runtime state."""
         return None
 
     def example_train_state(self, n: int) -> PolicyTrainState:
@@ -703,8 +704,7 @@ class BaseAlgorithm(abc.ABC):
         environment's previous frame, or (-1, "") when there is none to link to (its first
         frame on this connection, or the one after a discard): a trajectory starts there.
         next_terminated/next_truncated are this transition's own. Returns (prev_node,
-        global_step, log_dict): the prev_node to hand to this environment's next frame.
-        """
+        global_step, log_dict): the prev_node to hand to this environment's next frame."""
         raise NotImplementedError(f"{type(self).__name__}.feedback: store the frame and return "
                                   "(prev_node, global_step, log_dict)")
 
@@ -1008,8 +1008,7 @@ class PG(DDPAlgorithm):
     def advantages(self, frames: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """GAE(lambda) of the stored frames [n], backwards along each chain; and V(obs) [n]."""
         cfg = self.config
-        value = self.values(frames["obs"])
-        next_value = self.values(frames["next_obs"])
+        value, next_value = self.values(frames["obs"]), self.values(frames["next_obs"])
         # Termination stops bootstrapping. After truncation, or at a frame this batch cuts
         # short, the episode goes on, and V(next_obs) stands for the rest of it.
         not_done = 1 - frames["terminated"]
@@ -1839,8 +1838,7 @@ class RunRecord:
         means = {key: total / weight for key, (total, weight) in self.window.items()}
         rollout = {key: means.pop(key, 0.0)  # 0 when no episode ended
                    for key in ("rollout/reward", "rollout/length", "rollout/success")}
-        frames = server.frames - self.logged_at
-        discarded = server.discarded - self.discarded_at
+        frames, discarded = server.frames - self.logged_at, server.discarded - self.discarded_at
         metrics = {**means, **rollout, "rollout/episodes": self.window_episodes,
                    "server/fed": frames - discarded, "server/discarded": discarded,
                    "server/frames": counters["frames"], "server/policy_version": server.version,
@@ -1897,9 +1895,9 @@ async def run_to_the_end(server: Server, loop) -> tuple[int, str, int]:
     try:
         await loop
     except Exception as error:
-        return 1011, f"{SERVER_FAILED}: {print_failure(error)}", 1
+        return 1011, f"server failed: {print_failure(error)}", 1
     server.closing = True  # what the run saves is saved
-    return 1001, RUN_FINISHED, server.status
+    return 1001, "run finished", server.status  # the printed end line's prefix
 
 
 def call_soon(loop: asyncio.AbstractEventLoop, callback) -> None:
@@ -1918,8 +1916,7 @@ def finish_run(server, code: int, reason: str, status: int) -> int:
     record.close()
     if server.ranks is not None:  # [ranks] told last: no dead rank holds a client
         status = server.ranks.stop(status)  # [ranks]
-    print(f"\n{reason}: global step {server.global_step}, {server.version} learns",
-          flush=True)
+    print(f"\n{reason}: global step {server.global_step}, {server.version} learns", flush=True)
     if not server.frames:
         print("no frame was served: no checkpoint or metrics line was written", flush=True)
     elif code == 1001:  # [report]
@@ -2284,7 +2281,6 @@ def write_scalars(writer, metrics: dict, step: int) -> None:
 # plugrl_min's own: each run ends with its report; the command compares several. Cut: a run ends
 # with its end line alone, and metrics.jsonl is the record.
 
-
 def read_metrics(run_dir: str) -> list[dict]:
     """The lines of a run directory's metrics.jsonl (a UsageError if it has none)."""
     path = os.path.join(run_dir, "metrics.jsonl")
@@ -2381,7 +2377,6 @@ def text_chart(curves: dict, last: int = 100, rows: int = 12, width: int = 60) -
 
 
 def report_main(argv: list[str]) -> int:
-    """python plugrl_min.py report RUN_DIR [RUN_DIR ...] [--reach R]"""
     parser = argparse.ArgumentParser(prog="python plugrl_min.py report",
                                      description="Compare runs from their metrics.jsonl.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
@@ -2545,11 +2540,10 @@ def start(argv: list[str]) -> Serving:
 
 
 # ===== 13. Clients: their messages checked, how long they may owe feedback, who may connect =====
-# PlugRL page: infer(obs) and feedback(...)'s arguments, as they arrive from other processes, in
-# any language: every field is checked against the protocol reference in README.md; a bad one
-# closes its connection for a resync, the log naming the field and what it must be. The
-# algorithm only sees messages that passed. Then the feedback timeout and the API key. A first
-# reading skips these.
+# PlugRL page: infer(obs) and feedback(...)'s arguments, as they arrive from other processes, in any
+# language: every field is checked against the protocol reference in README.md; a bad one closes its
+# connection for a resync, the log naming the field and what it must be. The algorithm only sees
+# messages that passed. Then the feedback timeout and the API key. A first reading skips these.
 
 def metadata_of(policy: BaseTorchPolicy, obs_spec: dict, names: tuple[str, str]) -> dict:
     """The metadata message (SPEC 5.1): PlugRL's keys, then this server's own beside them: what
@@ -2557,7 +2551,7 @@ def metadata_of(policy: BaseTorchPolicy, obs_spec: dict, names: tuple[str, str])
     return {"message_type": "metadata", "data": {
         "protocol_version": PROTOCOL_VERSION, "server": "plugrl_min", "algorithm": names[1],
         "policy": names[0], "action_horizon": policy.action_horizon,
-        "action_dim": policy.action_dim, "features": [],
+        "action_dim": policy.action_dim, "features": [REUSE],
         "obs_spec": {group: {key: {"shape": list(shape), "dtype": dtype.str}
                              for key, (shape, dtype) in keys.items()}
                      for group, keys in obs_spec.items()},
@@ -2568,18 +2562,13 @@ MISSING = object()  # what message.get(field, MISSING) gives for a field left ou
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
-def describe(value) -> str:
-    """How an error names what it received: 'int64 [4, 1]', 'a list', 'null', 'nothing'."""
-    if isinstance(value, np.ndarray):
-        return f"{value.dtype.name} {list(value.shape)}"
-    if value is MISSING:
-        return "nothing (the field is missing)"
-    return "null" if value is None else f"a {type(value).__name__}"
-
-
 def mismatch(field: str, expected: str, value) -> ProtocolError:
-    """The error for a field that is not what the protocol reference says it must be."""
-    return ProtocolError(f"{field} must be {expected}; got {describe(value)}")
+    """The error for a field that is not what the protocol reference says it must be, naming what
+    it received: 'int64 [4, 1]', 'a list', 'null', 'nothing'."""
+    got = (f"{value.dtype.name} {list(value.shape)}" if isinstance(value, np.ndarray) else
+           "nothing (the field is missing)" if value is MISSING else
+           "null" if value is None else f"a {type(value).__name__}")
+    return ProtocolError(f"{field} must be {expected}; got {got}")
 
 
 def is_array(value, kinds: str, shape: tuple) -> bool:
@@ -2602,12 +2591,15 @@ def check_message(message: dict, obs_spec: dict) -> tuple[str, list]:
         raise ProtocolError(f"{kind}.env_indices must be distinct and non-negative; got "
                             f"{str(env_ids)[:60]}", "send each environment once per message")
     step_ids = message.get("step_ids", MISSING)  # checked as the SPEC asks; nothing reads it
-    if not (isinstance(step_ids, np.ndarray) and step_ids.dtype.kind in "iu"
-            and step_ids.shape == (n,)):
+    if not is_array(step_ids, "iu", (n,)):
         raise mismatch(f"{kind}.step_ids", f"int64 [{n}]", step_ids)
     data = message.get("data", MISSING)
     if kind == "infer":
-        message["data"] = check_obs(data, obs_spec, n, "infer.data")
+        reuse = message.get("reuse")  # true: the row of this environment's last feedback
+        if reuse is not None and not is_array(reuse, "b", (n,)):
+            raise mismatch("infer.reuse", f"bool [{n}]", reuse)
+        fresh = n if reuse is None else n - int(reuse.sum())  # the rows data holds
+        message["data"] = check_obs(data, obs_spec, fresh, "infer.data")
         return kind, env_ids
     if not isinstance(data, dict):
         raise mismatch("feedback.data", "a map of obs, rewards, terminated, truncated, info", data)
@@ -2675,6 +2667,8 @@ def check_obs(obs, obs_spec: dict, n: int, field: str) -> dict:
     text = obs.get("text", MISSING)
     if isinstance(text, list) and all(isinstance(line, str) for line in text):
         text = np.array(text, dtype=str)  # the SPEC's other spelling (its section 3.4)
+    if n == 0 and isinstance(text, np.ndarray) and text.shape == (0,):
+        text = text.astype(str)  # no row, no str: numpy makes ["x"] * 0 a float64 [0]
     if not (isinstance(text, np.ndarray) and text.dtype.kind == "U" and text.shape == (n,)):
         raise mismatch(f"{field}.text", f"str [{n}], a <U array or a list", text)
     return {**given, "text": text}
@@ -2702,6 +2696,26 @@ def check_env_cap(conn: Connection, env_ids: list, max_envs: int) -> None:
         raise ProtocolError(f"infer: a connection may use at most {max_envs} "
                             "environments (the server's --max-envs-per-client)",
                             "step fewer environments per client, or start more clients")
+
+
+def reused_obs(slots: list, env_ids: list, reuse: np.ndarray, data: dict) -> dict:
+    """reuse-feedback-obs (SPEC 10.1): an infer's observation of its n environments, data's rows
+    where reuse is false, and where it is true the row of that environment's last feedback on
+    this connection; one it does not hold (none yet, or it ended an episode) is refused."""
+    pieces, order, held = [data], [np.flatnonzero(~reuse)], {}
+    for position in np.flatnonzero(reuse).tolist():
+        if slots[position].fed is None:
+            raise ProtocolError(f"infer.reuse: environment {env_ids[position]} has no "
+                                "observation to reuse on this connection", "send reuse false "
+                                "on a new connection, and after a feedback that ended an episode")
+        batch, row = slots[position].fed
+        rows, positions = held.setdefault(id(batch), (batch, [], []))[1:]
+        rows.append(row)
+        positions.append(position)
+    for batch, rows, positions in held.values():  # most often one: the last feedback's
+        pieces.append(slice_rows(batch, np.array(rows)))
+        order.append(positions)
+    return slice_rows(join_rows(pieces), np.argsort(np.concatenate(order)))
 
 
 async def resync(server: Server, conn: Connection, error: Exception) -> None:
@@ -2774,7 +2788,7 @@ def warn_without_api_key(host: str, api_key: str | None) -> None:
 
 # ===== 14. Environment client: environments, executing a decision, connecting =====
 # PlugRL page: the client of its smoke test (plugrl-run-env-client dummy-v1). Its loop,
-# run_episodes, is section 1; pendulum-v1, cartpole-v1 and gym:ENV_ID follow as blocks.
+# run_episodes, is section 1; pendulum-v1, cartpole-v1, probe-v1 and gym:ENV_ID follow as blocks.
 
 from websockets.asyncio.client import connect
 
@@ -3055,8 +3069,7 @@ def misfit(meta: dict, env, decision_dim: int | None = None) -> str | None:
     with the flag that would fix it; None if it can, or if the metadata does not say.
     decision_dim: a closed loop's, in place of env's."""
     try:
-        reads = obs_spec_of(meta.get("obs_spec", {}))
-        gives = obs_spec_of(env.obs_spec)
+        reads, gives = obs_spec_of(meta.get("obs_spec", {})), obs_spec_of(env.obs_spec)
     except UsageError as error:  # an environment of the flat form fits no policy
         return str(error)
     for group, key in ((group, key) for group in GROUPS for key in sorted(reads[group])):
@@ -3088,9 +3101,7 @@ def misfit(meta: dict, env, decision_dim: int | None = None) -> str | None:
 async def connect_to_server(args):
     """Connect, retrying for --connect-timeout s; None if the run has ended."""
     uri = f"ws://{args.server_host}:{args.server_port}"
-    headers = {}
-    if args.api_key:
-        headers["Authorization"] = f"Api-Key {args.api_key}"  # as PlugRL's clients send it
+    headers = {"Authorization": f"Api-Key {args.api_key}"} if args.api_key else {}  # SPEC 1.2
     deadline = time.monotonic() + args.connect_timeout
     while True:
         try:
@@ -3131,7 +3142,8 @@ async def run_env_client(args) -> int:
         decisions = tally["decisions"]
         try:
             async with ws:  # closed 1000 when done, as a client that stops should (SPEC 7.5)
-                await run_episodes(ws, executor, args.num_episodes, tally)
+                await run_episodes(ws, executor, args.num_episodes, tally,
+                                   not args.no_reuse_feedback_obs)
             ending = "done"
         except ProtocolError as error:  # a text frame (SPEC 7.4: fatal, never parsed), or worse
             raise CommandError(f"the server failed: it sent what is not a message ({error}); "
@@ -3173,8 +3185,7 @@ def after_close(closed: ConnectionClosed, resyncs: int) -> str | None:
     if closed.rcvd and closed.rcvd.code == 1000:  # a normal closure: done with us
         return "the server closed the connection"
     if reason == SERVER_RESYNC:  # the feedback it held is dropped, and it starts with an infer
-        print("the server asked for a resync (its output says why); reconnecting",
-              file=sys.stderr)
+        print("the server asked for a resync (its output says why); reconnecting", file=sys.stderr)
     else:  # a restart, a network blink, the feedback timeout
         print(f"lost the server ({closed}); reconnecting", file=sys.stderr)
     return None
@@ -3268,6 +3279,37 @@ class CartPoleEnv(VecEnv):
 
     def _observe(self):
         return observation(self.num_envs, states={"state": self.state.astype(np.float32)})
+
+
+# ===== [probe] probe-v1: PlugRL's probe environment, which its client checker reads =====
+# PlugRL's SPEC 8.1: what the client did with each action shows in the next observation.
+
+@register_env("probe-v1")
+class ProbeEnv(VecEnv):
+    """probe-v1: env i counts its steps in states["t"] (float64 [1]), keeps the action it applied
+    last in states["a"] (float64 [action_dim], an env kwarg), earns 1 a step, and terminates when
+    t reaches 3 + 2 (i mod 3). It never truncates, and only the client resets it."""
+
+    obs_spec = {"states": {"t": ((1,), "float64"), "a": ((1,), "float64")}}
+
+    def __init__(self, num_envs, seed=None, action_dim=1):
+        self.action_dim = action_dim
+        self.obs_spec = {"states": {"t": ((1,), "float64"), "a": ((action_dim,), "float64")}}
+        self.t, self.a = np.zeros((num_envs, 1)), np.zeros((num_envs, action_dim))
+        self.length = 3 + 2 * (np.arange(num_envs) % 3)
+        super().__init__(num_envs, seed)
+
+    def _reset(self, rows):
+        self.t[rows] = 0
+
+    def _step(self, action, rows):
+        self.t[rows] += 1
+        self.a[rows] = action  # as it came: the checker's values say their place in the chunk
+        ended = self.t[rows, 0] >= self.length[rows]
+        return np.ones(len(rows)), ended, np.zeros(len(rows), bool)
+
+    def _observe(self):
+        return observation(self.num_envs, states={"t": self.t.copy(), "a": self.a.copy()})
 
 
 # ===== [gym] gym:ENV_ID: a Gymnasium environment with Box or Discrete actions =====
@@ -3427,10 +3469,9 @@ def gym_observation_keys(env_id: str, space) -> dict:
     for key, (path, leaf) in keys.items():
         if not isinstance(leaf, (spaces.Box, spaces.Discrete, spaces.Text)):
             where = f" (its entry {key!r})" if path else ""
-            raise UsageError(f"gym:{env_id} has a {type(leaf).__name__} observation space"
-                             f"{where}; plugrl_min maps Box, Discrete, Text and Dict (nested one "
-                             "level) ones: write a VecEnv that gives it as arrays and "
-                             "register_env it")
+            raise UsageError(f"gym:{env_id} has a {type(leaf).__name__} observation space{where}; "
+                             "plugrl_min maps Box, Discrete, Text and Dict (nested one level) "
+                             "ones: write a VecEnv that gives it as arrays and register_env it")
     if [_group_of(leaf) for _, leaf in keys.values()].count("text") > 1:
         raise UsageError(f"gym:{env_id} has two Text entries; an observation has one text")
     return {key: (path, leaf, _group_of(leaf)) for key, (path, leaf) in keys.items()}
@@ -3559,8 +3600,7 @@ def eval_main(argv: list[str], command_line: bool = False) -> int:
 
 def parse_eval_flags(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python plugrl_min.py eval", description="Evaluate a "
-                                     "trained run's policy: it acts, nothing learns, nothing "
-                                     "is written into RUN_DIR.")
+        "trained run's policy: it acts, nothing learns, nothing is written into RUN_DIR.")
     add = parser.add_argument
     add("run_dir", metavar="RUN_DIR")
     add("--episodes", type=int, default=10, metavar="N", help="episodes to play (default: 10; "
@@ -3797,8 +3837,7 @@ def parse_server_flags(argv: list[str]) -> tuple[list[str], argparse.Namespace, 
 
 def add_config_flags(parser: argparse.ArgumentParser, prefix: str, config) -> None:
     """A flag for every field of a config dataclass (--algo.global-steps), its comment the help."""
-    hints = typing.get_type_hints(type(config))
-    comments = field_comments(type(config))
+    hints, comments = typing.get_type_hints(type(config)), field_comments(type(config))
     group = parser.add_argument_group(f"--{prefix}.* ({type(config).__name__})")
     for field in dataclasses.fields(config):
         default = getattr(config, field.name)
@@ -3869,9 +3908,8 @@ def add_server_flags(add) -> None:
         "(default: 1000)")
     add("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, metavar="B",
         help=f"a larger frame closes its connection (1009) (default: {MAX_MESSAGE_BYTES})")
-    add("--max-envs-per-client", type=int, default=4096, metavar="N",
-        help="environments one connection may use: one client cannot hold the loop (default: "
-        "4096)")
+    add("--max-envs-per-client", type=int, default=4096, metavar="N", help="environments one "
+        "connection may use: one client cannot hold the loop (default: 4096)")
     add("--learn-threads", type=int, metavar="N", help="torch threads per learn "  # [learn-threads]
         "(default: one per core other processes leave idle)")  # [learn-threads]
     add("--trace", type=int, default=0, metavar="N",  # [trace]
@@ -4007,9 +4045,8 @@ def start_local_clients(server: Server, args: argparse.Namespace, local_env: str
     if not args.local_env_clients:
         command = f"python {os.path.basename(__file__)} {' '.join(client_args)}"
         command += " --api-key KEY" * bool(args.api_key)  # the secret is not printed
-        print(f"no env clients yet: start one in another terminal with\n  {command}\n"
-              "or run this server with --local-env-clients 1 to do both in one command",
-              flush=True)
+        print(f"no env clients yet: start one in another terminal with\n  {command}\nor "
+              "run this server with --local-env-clients 1 to do both in one command", flush=True)
     environment = dict(os.environ)
     environment["PLUGRL_API_KEY"] = args.api_key or ""  # off the command line, as a secret
     # The folders this process imports from, the plug-ins' too (a package's, a notebook's own).
@@ -4075,6 +4112,9 @@ def env_client_main(argv: list[str]) -> int:
     add("--closed-loop-steps", type=int, metavar="K",
         help="hold each decision for K physical steps, acted out by --controller")
     add("--controller", default="track", help="track (dummy-v1, pendulum-v1) (default: track)")
+    add("--no-reuse-feedback-obs", action="store_true", help="send every observation in full, "
+        "even to a server that lists reuse-feedback-obs (by default a row the last feedback "
+        "carried is not sent again)")
     add("--reward-aggregation", default="sum", choices=REWARD_AGGREGATIONS,
         help="a decision's reward from its physical steps'; over the wire only sum, what a "
         "feedback's rewards are (default: sum)")

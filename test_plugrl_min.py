@@ -902,39 +902,52 @@ def tensors_of(tree, prefix="") -> dict:
     return {path: tensor for key, value in items for path, tensor in tensors_of(value, f"{prefix}/{key}").items()}
 
 
-def in_process_and_over_the_wire(tmp_path, words: list[str]) -> tuple[dict, dict]:
-    """The same run (the same seed, one learn thread) in this process's loop without the wire and behind a
-    server with one local client, side by side: the tensors of each one's final checkpoint."""
-    runs = {"in-process": ["--in-process"], "wire": ["--local-env-clients", "1"]}
+def in_process_and_over_the_wire(tmp_path, words: list[str]) -> tuple[dict, dict, dict]:
+    """The same run (the same seed, one learn thread) in this process's loop without the wire, behind a server
+    with one local client (which reuses observations: reuse-feedback-obs), and behind a server whose one client,
+    started by the command it prints, sends every observation whole, side by side: the tensors of each one's
+    final checkpoint."""
+    runs = {"in-process": ["--in-process"], "wire": ["--local-env-clients", "1"], "whole": ["--port", "0"]}
     processes = {name: subprocess.Popen([sys.executable, SOURCE, *words, *flags, "--seed", "7", "--learn-threads",
                                          "1", "--run-dir", str(tmp_path / name)], cwd=tmp_path, env=subprocess_env(),
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                        stdout=subprocess.PIPE if name == "whole" else subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, text=True)
                  for name, flags in runs.items()}
-    for process in processes.values():
+    hint = ""
+    while "--num-episodes 0" not in hint:  # its client's command line: the environment and their number
+        hint = processes["whole"].stdout.readline()
+        assert hint or processes["whole"].poll() is None, processes["whole"].stderr.read()
+    client = subprocess.Popen([sys.executable, *hint.split()[1:], "--seed", "7", "--no-reuse-feedback-obs"],
+                              cwd=HERE, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    for process in [*processes.values(), client]:
         try:
             _, err = process.communicate(timeout=240)
         finally:
             process.kill()  # after a timeout: no run outlives its test
         assert process.returncode == 0, err
     checkpoints = [plugrl_min.checkpoint_paths(tmp_path / name)[-1] for name in runs]
-    assert [os.path.basename(path) for path in checkpoints] == [os.path.basename(checkpoints[0])] * 2
+    assert [os.path.basename(path) for path in checkpoints] == [os.path.basename(checkpoints[0])] * 3
     return [tensors_of(torch.load(path, weights_only=True)) for path in checkpoints]
 
 
-def test_pg_trained_in_process_and_over_the_wire_ends_on_byte_identical_weights(tmp_path):
-    in_process, wire = in_process_and_over_the_wire(tmp_path, [
+def test_pg_trained_in_process_over_the_wire_and_with_every_observation_whole_ends_on_byte_identical_weights(
+        tmp_path):
+    in_process, wire, whole = in_process_and_over_the_wire(tmp_path, [
         "dummy-policy", "default", "pg", "default", "--policy.hidden-size", "32", "--local-num-envs", "16",
         "--algo.frames-per-learn", "256", "--algo.global-steps", "1024"])  # 4 learns of 16 environments
-    assert in_process.keys() == wire.keys() and len(in_process) > 20  # policy, value, optimizers, batch
+    assert in_process.keys() == wire.keys() == whole.keys() and len(in_process) > 20  # policy, value, optimizers
     assert [path for path in in_process if not torch.equal(in_process[path], wire[path])] == []
+    assert [path for path in in_process if not torch.equal(in_process[path], whole[path])] == []
 
 
-def test_sac_trained_in_process_and_over_the_wire_ends_on_byte_identical_weights(tmp_path):
-    in_process, wire = in_process_and_over_the_wire(tmp_path, [
+def test_sac_trained_in_process_over_the_wire_and_with_every_observation_whole_ends_on_byte_identical_weights(
+        tmp_path):
+    in_process, wire, whole = in_process_and_over_the_wire(tmp_path, [
         "dummy-policy", "default", "sac", "default", "--policy.hidden-size", "32", "--algo.q-hidden-size", "32",
         "--algo.batch-size", "32", "--algo.learning-starts", "100", "--algo.global-steps", "400"])  # 300 updates
-    assert in_process.keys() == wire.keys() and len(in_process) > 20  # actor, critics, targets, optimizers
+    assert in_process.keys() == wire.keys() == whole.keys() and len(in_process) > 20  # actor, critics, targets
     assert [path for path in in_process if not torch.equal(in_process[path], wire[path])] == []
+    assert [path for path in in_process if not torch.equal(in_process[path], whole[path])] == []
 
 
 def test_an_in_process_run_writes_the_record_a_served_run_writes(tmp_path):
@@ -1001,7 +1014,8 @@ def _run_over_the_wire(tmp_path, steps, num_envs, episodes, mode="sum", env_id="
         args = argparse.Namespace(
             env_id=env_id, server_host="127.0.0.1", server_port=listening.result(), num_episodes=episodes,
             num_envs=num_envs, seed=0, summary_json=str(summary_path), connect_timeout=10, api_key=None,
-            closed_loop_steps=steps, controller="track", reward_aggregation=mode, env_kwargs=None)
+            closed_loop_steps=steps, controller="track", reward_aggregation=mode, env_kwargs=None,
+            no_reuse_feedback_obs=False)
         try:
             client_status = await asyncio.wait_for(plugrl_min.run_env_client(args), 60)
             # Every action the server sent was answered: its last feedback may still wait to be routed.
@@ -1197,16 +1211,22 @@ class ServerThread:
 
 
 def serving_dummy_v1(hold_at=None, hold=0.0, closes=None, padding=0, text_at=None, done_at=None, resync_at=(),
-                     seen=None):
+                     seen=None, features=("reuse-feedback-obs",), reuses=None, obs_spec=True, sizes=None):
     """A handler that answers dummy-v1's infers with zeros (its episodes last 50 decisions): it holds its loop
     for `hold` s before decision `hold_at`, sends a text frame at decision `text_at`, closes 1000 when
     `done_at` decisions were answered (and 1001 plugrl-server-resync when connection k's resync_at[k] were),
     pads the metadata with `padding` bytes, appends how the client closed (code, reason) to `closes`, and
-    each connection's list of the message types it got to `seen`."""
+    each connection's list of the message types it got to `seen`, and of each message's reuse (an infer's,
+    None without one) or done flags (a feedback's) to `reuses`. `features`: what its metadata lists; without
+    `obs_spec` it does not say what the policy reads (SPEC 5.1 asks nothing of it), so any environment fits.
+    `sizes`: the length of every frame the client sends is appended to it."""
     connections = itertools.count()
     meta = plugrl_min.metadata_of(small_policy(), plugrl_min.obs_spec_of(small_policy().obs_spec),
                                   ("dummy-policy", "dummy"))
     meta["data"]["padding"] = b"\0" * padding  # an extra key, which a client ignores (SPEC 5.1)
+    meta["data"]["features"] = list(features)
+    if not obs_spec:
+        del meta["data"]["obs_spec"]
 
     async def handler(ws):
         index, kinds = next(connections), []
@@ -1216,8 +1236,14 @@ def serving_dummy_v1(hold_at=None, hold=0.0, closes=None, padding=0, text_at=Non
         decisions = 0
         with contextlib.suppress(websockets.ConnectionClosed):
             async for frame in ws:
+                if sizes is not None:
+                    sizes.append(len(frame))
                 message = unpack_message(frame)
                 kinds.append(message["message_type"])
+                if reuses is not None:
+                    data, reuse = message["data"], message.get("reuse")
+                    reuses.append(("infer", None if reuse is None else reuse.tolist()) if kinds[-1] == "infer"
+                                  else ("feedback", (data["terminated"] | data["truncated"]).tolist()))
                 if message["message_type"] != "infer":
                     continue
                 if decisions == text_at:
@@ -1237,9 +1263,9 @@ def serving_dummy_v1(hold_at=None, hold=0.0, closes=None, padding=0, text_at=Non
     return handler
 
 
-def env_client_against(server: ServerThread, *flags) -> int:
-    return plugrl_min.env_client_main(["dummy-v1", "--server-port", str(server.port), "--num-envs", "1", "--seed", "0",
-                                       *flags])  # seed 0: its first episode lasts all 50 decisions
+def env_client_against(server: ServerThread, *flags, env_id="dummy-v1", num_envs=1) -> int:
+    return plugrl_min.env_client_main([env_id, "--server-port", str(server.port), "--num-envs", str(num_envs),
+                                       "--seed", "0", *flags])  # seed 0: dummy-v1's first episode lasts 50 decisions
 
 
 @wire
@@ -1300,6 +1326,23 @@ def test_an_env_client_resynced_three_times_in_a_row_each_after_one_action_gives
                         "(1001 plugrl-server-resync): its output or log says why\n")
 
 
+@pytest.mark.parametrize("features, flags, reused", [
+    (["reuse-feedback-obs"], [], True), ([], [], False), (["reuse-feedback-obs"], ["--no-reuse-feedback-obs"], False)],
+    ids=["listed", "not listed", "turned off"])
+@wire
+def test_the_env_client_reuses_each_row_but_a_new_episodes_only_when_the_server_lists_the_feature(
+        capsys, features, flags, reused):
+    reuses = []  # probe-v1's three environments end their episodes after 3, 5 and 7 steps: apart
+    with ServerThread(serving_dummy_v1(features=features, reuses=reuses, obs_spec=False)) as server:
+        status = env_client_against(server, "--num-episodes", "6", *flags, env_id="probe-v1", num_envs=3)
+    assert status == 0, capsys.readouterr().err
+    infers = [reuse for kind, reuse in reuses if kind == "infer"]
+    dones = [done for kind, done in reuses if kind == "feedback"]
+    assert infers[0] is None  # a new connection: every observation whole
+    assert infers[1:] == [[not ended for ended in done] if reused else None for done in dones][:len(infers) - 1]
+    assert [False, True, False] in dones  # one environment ended while the others went on
+
+
 @wire
 def test_a_text_frame_from_the_server_is_fatal_to_the_env_client_never_parsed_nor_retried(capsys):
     closes = []
@@ -1331,7 +1374,8 @@ def test_the_metadata_is_a_data_map_of_the_specs_keys_and_this_servers_own(tmp_p
     assert metadata.keys() == {"message_type", "data"} and metadata["message_type"] == "metadata"
     data = metadata["data"]
     assert {key: data[key] for key in ("protocol_version", "server", "action_horizon", "action_dim", "features")} == {
-        "protocol_version": 1, "server": "plugrl_min", "action_horizon": 1, "action_dim": 1, "features": []}
+        "protocol_version": 1, "server": "plugrl_min", "action_horizon": 1, "action_dim": 1,
+        "features": ["reuse-feedback-obs"]}
     assert (data["policy"], data["algorithm"]) == ("dummy-policy", "probe")  # the names run_server serves under
     assert data["num_actions"] is None
     assert data["obs_spec"] == {"images": {}, "states": {"state": {"shape": [3], "dtype": "<f4"}}}
@@ -1432,6 +1476,63 @@ def test_an_episode_that_ends_as_the_connection_is_lost_is_reported_once_and_the
 # =============================================================================================
 # Server over real WebSockets, with the instrumented Probe: which frames reach feedback and with what,
 # how infer is batched, where learn runs, what becomes of clients that leave or hooks that raise.
+
+# --- reuse-feedback-obs (SPEC 10.1): an observation the last feedback carried is not sent again ---------
+
+def reusing_infer(env_ids, reuse, tags) -> dict:
+    """An infer whose rows where reuse is true are the last feedback's: data holds the others' `tags`."""
+    return infer_message(env_ids, step_ids=np.zeros(len(env_ids), np.int64), reuse=np.array(reuse, bool),
+                         obs=obs_of(tags))
+
+
+@wire
+def test_an_infer_reusing_rows_gives_the_policy_the_last_feedbacks_rows_and_the_new_ones_in_env_indices_order(
+        tmp_path):
+    async def script(port, server):
+        client = await Client.connect(port)
+        await client.infer([0, 1, 2], [1, 1, 1])
+        await client.feedback([0, 1, 2], [10, 11, 12], terminated=[False, True, False])
+        await client.ws.send(pack_message(reusing_infer([2, 1, 0], [True, False, True], [21])))
+        reply = await client.receive()  # env 1 ended its episode: its new one's observation comes whole
+        await client.close()
+        return reply
+
+    _, reply = run_server(Probe(), tmp_path, script)
+    assert actions_of(reply)[:, 0, 0].tolist() == [12.0, 21.0, 10.0]  # Probe acts its observation's tag
+
+
+@pytest.mark.parametrize("case", ["a new connection", "after its episode ended", "another connection's"])
+@wire
+def test_a_reuse_of_an_observation_the_server_does_not_hold_closes_for_a_resync(tmp_path, capsys, case):
+    async def script(port, server):
+        client = await Client.connect(port)
+        if case != "a new connection":
+            await client.step([0], [1], terminated=[case == "after its episode ended"])
+        if case == "another connection's":
+            client = await Client.connect(port)
+        await client.ws.send(pack_message(reusing_infer([0], [True], [])))
+        return await refusal_of(client.ws)
+
+    _, refusal = run_server(Probe(), tmp_path, script)
+    assert refusal == Refusal(None, *RESYNC)
+    [(_, why, _)] = resyncs_logged(capsys.readouterr().err)
+    assert why == "infer.reuse: environment 0 has no observation to reuse on this connection"
+
+
+@contract
+def test_an_infer_reusing_every_row_may_send_its_empty_text_as_numpy_makes_it_a_float64_array():
+    message = reusing_infer([0, 1], [True, True], [])
+    message["data"]["text"] = np.asarray(["probe"] * 0)  # float64 [0]: no str to tell its kind
+    plugrl_min.check_message(message, plugrl_min.obs_spec_of(small_policy().obs_spec))
+    assert message["data"]["text"].dtype.kind == "U" and message["data"]["text"].shape == (0,)
+
+
+@contract
+def test_an_infer_whose_data_rows_are_not_its_false_reuse_rows_is_refused():
+    message = reusing_infer([0, 1], [True, False], [1, 2])  # one row not reused, two rows sent
+    with pytest.raises(ProtocolError, match=re.escape("infer.data.states.state must be float32 [1, 3]; got float32 [2, 3]")):
+        plugrl_min.check_message(message, plugrl_min.obs_spec_of(small_policy().obs_spec))
+
 
 # --- Routing: which frames go to feedback, with what ----------------------------------------------
 
@@ -6738,7 +6839,7 @@ def test_an_unknown_environment_is_a_one_line_error_listing_the_registered_ones(
     assert status == 2
     (line,) = err.strip().splitlines()
     assert "unknown environment 'no-such-env-v0'" in line
-    assert "dummy-v1, pendulum-v1, cartpole-v1, counting-v1, gym:ENV_ID" in line and "register_env" in line
+    assert "dummy-v1, pendulum-v1, cartpole-v1, probe-v1, counting-v1, gym:ENV_ID" in line and "register_env" in line
 
 
 def test_websockets_older_than_16_is_one_line_saying_which_version_is_needed(tmp_path):
@@ -8477,6 +8578,23 @@ def test_cartpole_v1_truncates_after_500_steps_as_a_success():
         _, reward, terminated, truncated, info = env.step(np.array([[step % 2]]))
     assert reward[0] == 1.0 and not terminated[0] and truncated[0]
     assert info["episode"]["l"][0] == 500 and info["episode"]["s"][0]
+
+
+def test_probe_v1_counts_steps_keeps_the_action_applied_pays_1_and_ends_env_i_after_3_plus_2_i_mod_3():
+    env = make_env("probe-v1", 4, kwargs={"action_dim": 2})  # SPEC 8.1's probe environment
+    obs = env.reset()
+    assert obs["states"]["t"].tolist() == [[0.0]] * 4 and obs["states"]["a"].shape == (4, 2)
+    ends = {}
+    for step in range(1, 8):
+        action = np.array([[10000 * step + 10 * j, 10000 * step + 10 * j + 1] for j in range(4)], np.float64)
+        obs, reward, terminated, truncated, _ = env.step(action, active=[i not in ends for i in range(4)])
+        assert obs["states"]["a"][[i for i in range(4) if i not in ends]].tolist() == [
+            action[i].tolist() for i in range(4) if i not in ends]
+        ends.update({i: step for i in np.flatnonzero(terminated) if i not in ends})
+        assert not truncated.any() and reward.tolist() == [float(i not in ends or ends[i] == step) for i in range(4)]
+    assert ends == {0: 3, 1: 5, 2: 7, 3: 3} and obs["states"]["t"][:, 0].tolist() == [3.0, 5.0, 7.0, 3.0]
+    assert obs["states"]["t"].dtype == obs["states"]["a"].dtype == np.float64
+    assert env.reset([0])["states"]["t"][0, 0] == 0.0  # the client resets it, never its step
 
 
 @wire
@@ -10444,7 +10562,7 @@ def test_plugrl_bench_1_runs_every_benchmark(tmp_path):
     assert {outcome for outcome, _ in outcomes.values()} == {"passed"}, outcomes  # none skipped
 
 
-RAN_TO_THE_END = re.compile(r"[\w.]+\.returncode == 0|finish\(.*\) == 0")  # a timed run's exit status 0
+RAN_TO_THE_END = re.compile(r"[\w.]+\.returncode == 0|finish\(.*\) == 0|status == 0")  # a run's exit status 0
 FIGURES_PRODUCED = {  # the throughput bench's: every client served to its end, and every figure a number
     "run['episodes'] >= run['asked']",
     "all((math.isfinite(figure) and figure > 0 for figure in figures.values()))",
@@ -11155,3 +11273,48 @@ def test_bench_the_readmes_learning_tables_rerun_over_seeds_1_to_3(tmp_path):
         print(f"\n{section}: {command}, seeds 1 to 3")
         for row, shown in zip(measured, table):  # met: the README's row, to the digit
             print("| " + " | ".join(row) + " | " + ("met" if row == shown else f"missed: the README has {shown}"))
+
+
+# --- reuse-feedback-obs: the bytes it saves a step ------------------------------------------------
+
+class TwoCameras(plugrl_min.VecEnv):
+    """dummy-v1 with PlugRL's dummy-v1 cameras beside its state: base [224, 224, 3] and wrist [112, 112, 3]
+    uint8, 188,160 bytes an environment, new pixels every step."""
+
+    obs_spec = {"images": {"base": ((224, 224, 3), "uint8"), "wrist": ((112, 112, 3), "uint8")},
+                "states": {"state": ((3,), "float32")}}
+    max_steps = 50  # dummy-v1's
+
+    def __init__(self, num_envs, seed=None):
+        self.inner = plugrl_min.DummyEnv(num_envs, seed)
+        super().__init__(num_envs, seed)
+
+    def _reset(self, rows):
+        self.inner._reset(rows)
+
+    def _step(self, action, rows):
+        return self.inner._step(action, rows)
+
+    def _observe(self):
+        n, images = self.num_envs, {"base": (224, 224, 3), "wrist": (112, 112, 3)}
+        return observation(n, states=self.inner._observe()["states"],
+                           images={key: self.rng.integers(0, 256, (n, *shape), np.uint8) for key, shape in images.items()})
+
+
+@bench
+def test_bench_bytes_a_decision_sends_with_and_without_reuse_feedback_obs(capsys):
+    plugrl_min.ENVIRONMENTS.setdefault("plugrl-test-two-cameras-v1", TwoCameras)  # for this bench alone
+    print("\nbytes an env client sends a decision, per environment (its feedback and its next infer):",
+          file=sys.__stdout__)
+    for env_id, num_envs, episodes in (("pendulum-v1", 16, 32), ("plugrl-test-two-cameras-v1", 4, 8)):
+        sent = {}
+        for name, flags in (("reuse", []), ("whole", ["--no-reuse-feedback-obs"])):
+            sizes, reuses = [], []
+            with ServerThread(serving_dummy_v1(obs_spec=False, sizes=sizes, reuses=reuses)) as server:
+                status = env_client_against(server, "--num-episodes", str(episodes), *flags, env_id=env_id,
+                                            num_envs=num_envs)
+            assert status == 0, capsys.readouterr().err
+            decisions = sum(kind == "feedback" for kind, _ in reuses)
+            sent[name] = sum(sizes) / decisions / num_envs
+        print(f"  {env_id}, {num_envs} environments: {sent['reuse']:,.0f} with reuse, {sent['whole']:,.0f} "
+              f"without ({sent['whole'] / sent['reuse']:.2f} x)", file=sys.__stdout__)
