@@ -10802,7 +10802,7 @@ def test_bench_the_readmes_eval_table_trained_runs_and_their_greedy_evaluation(t
 # --- Throughput: the full server against a floor server, in the same run --------------------------
 
 FLOOR_SERVER = '''
-import asyncio, sys, numpy as np, torch
+import asyncio, sys, types, numpy as np, torch
 sys.path.insert(0, ".")
 torch.set_num_threads(1)
 import plugrl_min as p
@@ -10811,10 +10811,20 @@ policy = p.make_policy("dummy-policy")
 server = p.Server(p.make_algo("dummy", policy), "/dev/null", ("dummy-policy", "floor"))
 async def handler(ws):  # the protocol and the policy, and nothing else
     await ws.send(p.pack_message(server.metadata))
+    held = {}  # reuse-feedback-obs, which the metadata lists: each environment's last feedback row
     async for frame in ws:
         message = p.unpack_message(frame)
-        if message["message_type"] == "infer":
-            action, _ = policy.get_action_and_runtime_state(message["data"])
+        ids = message["env_indices"].tolist()
+        if message["message_type"] == "feedback":
+            data = message["data"]
+            for row, (i, ended) in enumerate(zip(ids, (data["terminated"] | data["truncated"]).tolist())):
+                held[i] = None if ended else (data["obs"], row)
+        elif message["message_type"] == "infer":
+            obs = message["data"]
+            if message.get("reuse") is not None:
+                slots = [types.SimpleNamespace(fed=held.get(i)) for i in ids]
+                obs = p.reused_obs(slots, ids, message["reuse"], obs)
+            action, _ = policy.get_action_and_runtime_state(obs)
             await ws.send(p.pack_message({"message_type": "action", "data": {
                 "env_ids": message["env_indices"], "action": np.moveaxis(action, 0, 1)}}))
 async def main():
@@ -10879,7 +10889,7 @@ def seconds(code, message, number):
 
 out = {}
 for n in (1, 64):
-    messages = [dict(m, obs={"state": m["obs"]["states"]["state"]}) if "obs" in m else m for m in step_messages(n)]
+    messages = [dict(m, obs={"state": m["obs"]["state"]}) if "obs" in m else m for m in step_messages(n)]
     out[n] = [1e6 * sum(seconds(lambda m: p.unpack_message(p.pack_message(m)), m, 2000) for m in messages),
               1e6 * sum(seconds(lambda m: unpack(pack(m)), m, 2000) for m in messages)]
 camera = {"message_type": "infer", "env_indices": np.arange(1), "obs": step_messages(1)[0]["obs"]}
