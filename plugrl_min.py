@@ -2572,7 +2572,7 @@ def mismatch(field: str, expected: str, value) -> ProtocolError:
 
 
 def is_array(value, kinds: str, shape: tuple) -> bool:
-    """An array of one of these dtype kinds ('b' bool, 'iu' int, 'f' float) and this shape."""
+    """An array of these dtype kinds ('b' bool, 'iu' int, 'f' float, 'U' text) and this shape."""
     return isinstance(value, np.ndarray) and value.dtype.kind in kinds and value.shape == shape
 
 
@@ -2669,7 +2669,7 @@ def check_obs(obs, obs_spec: dict, n: int, field: str) -> dict:
         text = np.array(text, dtype=str)  # the SPEC's other spelling (its section 3.4)
     if n == 0 and isinstance(text, np.ndarray) and text.shape == (0,):
         text = text.astype(str)  # no row, no str: numpy makes ["x"] * 0 a float64 [0]
-    if not (isinstance(text, np.ndarray) and text.dtype.kind == "U" and text.shape == (n,)):
+    if not is_array(text, "U", (n,)):
         raise mismatch(f"{field}.text", f"str [{n}], a <U array or a list", text)
     return {**given, "text": text}
 
