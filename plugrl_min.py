@@ -2718,15 +2718,20 @@ def reused_obs(slots: list, env_ids: list, reuse: np.ndarray, data: dict) -> dic
     return slice_rows(join_rows(pieces), np.argsort(np.concatenate(order)))
 
 
+def close_one(server: Server, conn: Connection, why: str, reason: str):
+    """Close one client's connection with 1001 and reason, why in the server's log; the server
+    and its other clients carry on. It is served no more from now; returns the close to await."""
+    server.connections.discard(conn)
+    print(f"client {conn.number}: {why}: closed 1001 {reason}", file=sys.stderr, flush=True)
+    return conn.ws.close(1001, reason)
+
+
 async def resync(server: Server, conn: Connection, error: Exception) -> None:
-    """Close one client's connection for a resync (SPEC 7.2), why in the server's log: the client
-    reconnects and starts again from an infer; the server and its other clients carry on."""
+    """Close a connection whose message was refused for a resync (SPEC 7.2): the client
+    reconnects and starts again from an infer."""
     if not isinstance(error, ProtocolError):
         error = ProtocolError(f"malformed message ({type(error).__name__}: {error})")
-    server.connections.discard(conn)
-    print(f"client {conn.number}: {error} (hint: {error.hint}): closed 1001 {SERVER_RESYNC}",
-          file=sys.stderr, flush=True)
-    await conn.ws.close(1001, SERVER_RESYNC)
+    await close_one(server, conn, f"{error} (hint: {error.hint})", SERVER_RESYNC)
 
 
 # --- How long a client may owe feedback: --feedback-timeout S ----------------------------------
@@ -2749,10 +2754,8 @@ def drop_silent_clients(server: Server) -> None:
     for conn in list(server.connections):
         if any(slot.step is not None and slot.step.batch.sent_at < due
                for slot in conn.slots.values()):
-            server.connections.discard(conn)  # once: the task below runs after this pass
-            print(f"client {conn.number}: no feedback for {server.feedback_timeout:g} s of "
-                  f"serving: closed 1001 {FEEDBACK_TIMEOUT}", file=sys.stderr, flush=True)
-            task = asyncio.create_task(conn.ws.close(1001, FEEDBACK_TIMEOUT))
+            why = f"no feedback for {server.feedback_timeout:g} s of serving"
+            task = asyncio.create_task(close_one(server, conn, why, FEEDBACK_TIMEOUT))  # once
             _DROPPING.add(task)
             task.add_done_callback(_DROPPING.discard)
 
