@@ -8,20 +8,13 @@ learns, checkpoints and resumes. Every hook, rule and troubleshooting symptom of
 `plugrl_server.*`; README.md says once what differs (the commands, argparse for Tyro, no
 sac_policy).
 
-The first reading is the top of this file, down to the line "first reading ends":
-  1. the whole loop without the wire (train_in_process, learn_and_save: the hooks in the order
-     the server drives them), then its client half over the wire (run_episodes);
-  2. one frame through the server: the in-flight data, then Server: run and its tasks;
-     handle_client and accept (the frame comes in); control_loop and infer_waiting (its action
-     comes from infer); route_feedback and discard_reason (feedback or discard_feedback, and
-     why); learn_once (when learn runs, on which thread, and why serving pauses); save;
-  3. to disk, and to the end: save_checkpoint; serve and on_signal (what SIGINT and SIGTERM do);
-  4-6. what it carries and where it lands: the state types and Checkpoint, BaseTorchPolicy's
-     contract, BaseAlgorithm (every hook) and DummyAlgorithm, the smallest algorithm.
-The second reading, in any order: PG (the first learner, a DDPAlgorithm), the wire format, rows
-of nested arrays, the registries, the built-in policies, the run's record, the clients' checks
-(every field of a message, the feedback timeout, the API key: all part of the core), the rest of
-the env client, and the command line in named steps.
+The first reading is the top of this file, down to the line "first reading ends": the contract
+(1-3: the state types, BaseTorchPolicy, BaseAlgorithm with every hook, DummyAlgorithm); the loop
+without the wire that drives it, in the order the server does (4); the server that spreads that
+loop over clients, speaking PlugRL's protocol (5); a checkpoint on disk, and the signals that end
+a run (6). The second reading, one idea a section, in any order: PG, the wire format, rows, the
+registries, the built-in policies, the run's record, the clients' checks, the env client, the
+command line.
 
 Optional features are one block each, under a banner "# ===== [NAME] ...": learn-threads, ranks,
 trace, tensorboard, report, notebook, pendulum, cartpole, gym, eval. Each line elsewhere that
@@ -78,9 +71,253 @@ MAX_MESSAGE_BYTES = 32 * 2**20  # a larger frame closes its connection (--max-me
 # at over twice what 64 environments of PlugRL's dummy-v1 send, two cameras each (12 MB).
 
 
-# ===== 1. The loop: without the wire, then the env client's half of it over the wire =====
-# PlugRL page: "Server contract", its hooks in the order the server calls them; then the client
-# of its smoke test (plugrl-run-env-client). The server (section 2) spreads the loop over clients.
+# ===== 1. State types: what flows from infer to feedback, and what a checkpoint holds =====
+# PlugRL page: PolicyRuntimeState, PolicyTrainState (plugrl_server.policy.state), Checkpoint.
+
+# Whatever the policy returns from infer beside the action: an array or a dict of arrays (nested),
+# batched along axis 0. The server keeps it and hands each environment its row in feedback.
+PolicyRuntimeState: typing.TypeAlias = typing.Any
+# What derive_train_state keeps of a runtime state for learning (a nested dict of arrays, or None).
+PolicyTrainState: typing.TypeAlias = typing.Any
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """What create_checkpoint returns and load_checkpoint receives.
+
+    Keep every value a tensor or a plain Python value (dict, list, int, float, str, bool, None):
+    checkpoints load with torch.load(weights_only=True), which refuses anything else."""
+
+    step: int
+    model: dict | None
+    optimizer: dict | None
+    meta: dict
+
+
+# ===== 2. Policies: a batch of observations in, a batch of actions out =====
+# PlugRL page: BaseTorchPolicy. The built-in ones (dummy-policy, categorical-policy): section 11.
+
+class BaseTorchPolicy(nn.Module):
+    """An nn.Module (so state_dict() works) with what the server and algorithms call. Continuous
+    actions are float32 [n, action_horizon, action_dim]; discrete ones (num_actions set) are
+    int64 indices [n, action_horizon, 1]: one of num_actions choices per step."""
+
+    action_dim: int
+    action_horizon: int = 1
+    num_actions: int | None = None  # None: continuous actions
+    obs_spec: dict  # "images" and "states": name -> (shape without the batch axis, dtype)
+
+    def get_action_and_runtime_state(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
+        """Actions for a batch of observations, and the runtime state of how they were drawn."""
+        raise NotImplementedError
+
+    def fake_runtime_state(self, n: int) -> PolicyRuntimeState:
+        """A runtime state of the right shapes for n environments (used to size buffers)."""
+        raise NotImplementedError
+
+    def forward(self, obs: dict) -> torch.distributions.Distribution:
+        """The distribution runtime_state["sample"] came from, given tensors {key: [B, ...]}."""
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are (--device): infer moves observations there, actions back."""
+        return next(self.parameters()).device
+
+    @property
+    def action_shape(self) -> tuple[int, int]:
+        """One environment's action (a decision): (action_horizon, action_dim)."""
+        return (self.action_horizon, self.action_dim)
+
+    def as_tensors(self, obs: dict) -> dict:
+        """A batch of observations with its images and states as tensors on the policy's device;
+        its text stays numpy's str: torch has no tensor of text."""
+        tensors = map_arrays(lambda array: torch.from_numpy(array).to(self.device),
+                             {"images": obs["images"], "states": obs["states"]})
+        return {**tensors, "text": obs["text"]}
+
+
+# ===== 3. Algorithms: the hooks the server loop calls, and the smallest algorithm =====
+# PlugRL page: BaseAlgoConfig, BaseAlgorithm, "Server contract" and "Design rules".
+
+@dataclasses.dataclass
+class BaseAlgoConfig:
+    """Every algorithm config derives from this. global_steps is the run length (--algo.*)."""
+
+    global_steps: int | None = 100_000  # the run ends at this global step (None: never)
+
+
+class BaseAlgorithm(abc.ABC):
+    """The server-side algorithm. Override learn_impl (abstract), feedback and the should_* hooks.
+
+    The server calls the hooks one at a time, never two at once. Before it serves, the command
+    line calls init_optimizers() and, with --resume, load_checkpoint(); then every hook runs from
+    the control task, except learn(), which runs in the learn thread while that task waits for it.
+    Under several ranks, the other ranks call pre_learn, learn and post_learn: serve_as_learner."""
+
+    # The routing rule. True: feedback() gets only frames whose action came from the current
+    # policy, while no learn is due. False (a replay-buffer learner): every frame.
+    on_policy: bool = True
+    example_env: str | None = None  # plugrl_min's own: what --local-env and the hint default to
+
+    def __init__(self, config: BaseAlgoConfig, policy: BaseTorchPolicy):
+        self.config, self.policy = config, policy
+        self.global_step = 0
+        self._episodes = []  # (return, length, success) of the episodes since the last learn
+
+    def infer(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
+        """Actions and runtime state for one batch (the server batches across clients)."""
+        return self.policy.get_action_and_runtime_state(obs)
+
+    def derive_train_state(self, runtime_state: PolicyRuntimeState) -> PolicyTrainState:
+        """Keep what learning will need of a runtime state (pg: the sample each action came from).
+
+        It runs once per infer batch, right after infer; each environment's row comes back as
+        feedback(train_state=), so a buffer stores that, not the whole runtime state."""
+        return None
+
+    def example_train_state(self, n: int) -> PolicyTrainState:
+        """A train state for n environments from the policy's fake runtime state: size buffers."""
+        return self.derive_train_state(self.policy.fake_runtime_state(n))
+
+    def feedback(self, *, obs: dict, runtime_state: PolicyRuntimeState,
+                 train_state: PolicyTrainState = None, terminated: bool, truncated: bool,
+                 next_obs: dict, reward, info: dict, next_terminated: bool, next_truncated: bool,
+                 prev_node: tuple) -> tuple[tuple, int, dict]:
+        """Store one frame: obs, the action drawn for it (runtime_state), reward and next_obs.
+
+        terminated/truncated are the flags of this environment's previous frame, because they
+        say what obs is: true means this frame begins an episode (obs is a reset observation).
+        Both false does not prove it continues one: an environment's first frame on a connection
+        may begin one too. What links frames is prev_node: what feedback returned for this
+        environment's previous frame, or (-1, "") when there is none to link to (its first
+        frame on this connection, or the one after a discard): a trajectory starts there.
+        next_terminated/next_truncated are this transition's own. Returns (prev_node,
+        global_step, log_dict): the prev_node to hand to this environment's next frame."""
+        raise NotImplementedError(f"{type(self).__name__}.feedback: store the frame and return "
+                                  "(prev_node, global_step, log_dict)")
+
+    def discard_feedback(self, *, info: dict, next_terminated: bool, next_truncated: bool) -> None:
+        """Every frame that is not stored. Overrides must call super(), or episodes go missing."""
+        self.record_finished_episode(info, next_terminated, next_truncated)
+
+    def record_finished_episode(self, info: dict, next_terminated: bool, next_truncated: bool):
+        """The page's check, written once: record info["episode"] if this frame ended one."""
+        if (next_terminated or next_truncated) and "episode" in info:
+            if bool(info["episode"].get("mask", True)):
+                self.record_episode_metrics(info["episode"])
+
+    def record_episode_metrics(self, episode: dict) -> None:
+        """Count one finished episode (r: return, l: length, s: success) in rollout/*."""
+        self._episodes.append((float(episode["r"]), float(episode["l"]),
+                               float(episode.get("s", 0.0))))
+
+    def build_train_info(self, global_step: int, log_dict: dict) -> tuple[int, dict]:
+        """Add rollout/* (means over the episodes recorded since the last learn; 0 if none)."""
+        means = np.mean(self._episodes, axis=0) if self._episodes else np.zeros(3)
+        rollout = {"rollout/reward": float(means[0]), "rollout/length": float(means[1]),
+                   "rollout/success": float(means[2]), "rollout/episodes": len(self._episodes)}
+        return global_step, {**log_dict, **rollout}
+
+    def learn(self) -> tuple[int, dict]:
+        """Concrete: learn_impl() wrapped by build_train_info. Override learn_impl, not this."""
+        global_step, log_dict = self.learn_impl()
+        return self.build_train_info(global_step, log_dict)
+
+    @abc.abstractmethod
+    def learn_impl(self) -> tuple[int, dict]:
+        """One learning step: (global_step, log_dict). It must move what should_learn reads."""
+
+    def pre_learn(self) -> None:
+        """Runs right before learn()."""
+
+    def post_learn(self) -> None:
+        """Runs right after learn(). Overrides must call super(): it resets rollout/*."""
+        self._episodes = []
+
+    def should_learn(self) -> bool:
+        """True when learn() should run. No inference happens while it is true."""
+        return False
+
+    def should_save(self) -> bool:
+        """True when a checkpoint is due; must turn false once create_checkpoint() has run."""
+        return False
+
+    def should_stop(self) -> bool:
+        """True when the run is over: a final checkpoint, then every client is told."""
+        steps = self.config.global_steps
+        return steps is not None and self.global_step >= steps
+
+    def create_checkpoint(self) -> Checkpoint:
+        """The policy weights and global_step; put schedule counters in meta."""
+        return Checkpoint(step=self.global_step, model=self.policy.state_dict(), optimizer=None,
+                          meta={})
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """Restore what create_checkpoint saved (on --resume, after init_optimizers)."""
+        self.global_step = checkpoint.step
+        if checkpoint.model is not None:
+            self.policy.load_state_dict(checkpoint.model)
+
+    def init_optimizers(self) -> None:
+        """Runs right after the algorithm is built: build optimizers here."""
+
+
+@dataclasses.dataclass
+class DummyAlgoConfig(BaseAlgoConfig):
+    """The dummy learns nothing: it only keeps the cadence of a real algorithm."""
+
+    global_steps: int | None = 10_000
+    learn_every: int = 1_000  # frames between learns
+    save_every: int = 100  # learns between checkpoints
+
+
+class DummyAlgorithm(BaseAlgorithm):
+    """The smallest complete algorithm: counts frames, 'learns' every learn_every, saves.
+    Registered as `dummy` with its config in section 10, where the registries are."""
+
+    def __init__(self, config: DummyAlgoConfig, policy: BaseTorchPolicy):
+        super().__init__(config=config, policy=policy)
+        self.frames_since_learn, self.learns, self.saved_at_learn = 0, 0, 0
+
+    def feedback(self, *, obs, runtime_state, train_state=None, terminated, truncated, next_obs,
+                 reward, info, next_terminated, next_truncated, prev_node):
+        """Count the frame and its finished episode; store nothing."""
+        self.record_finished_episode(info, next_terminated, next_truncated)
+        self.global_step += 1
+        self.frames_since_learn += 1
+        return prev_node, self.global_step, {}
+
+    def learn_impl(self):
+        """Nothing to learn; moving frames_since_learn is what turns should_learn false."""
+        self.frames_since_learn = 0
+        self.learns += 1
+        return self.global_step, {}
+
+    def should_learn(self):
+        return self.frames_since_learn >= self.config.learn_every
+
+    def should_save(self):
+        return self.learns - self.saved_at_learn >= self.config.save_every
+
+    def create_checkpoint(self):
+        """Weights, and in meta every counter the schedule reads."""
+        self.saved_at_learn = self.learns
+        return Checkpoint(step=self.global_step, model=self.policy.state_dict(), optimizer=None,
+                          meta={"frames_since_learn": self.frames_since_learn,
+                                "learns": self.learns, "saved_at_learn": self.saved_at_learn})
+
+    def load_checkpoint(self, checkpoint):
+        """Restore the weights and every counter, so the cadence continues exactly."""
+        super().load_checkpoint(checkpoint)
+        self.frames_since_learn = checkpoint.meta["frames_since_learn"]
+        self.learns = checkpoint.meta["learns"]
+        self.saved_at_learn = checkpoint.meta["saved_at_learn"]
+
+
+# ===== 4. The loop without the wire: the hooks, in the order the server drives them =====
+# PlugRL page: "Server contract", its hooks in the order the server calls them, for one client
+# over one vector of environments in this process. Section 5 spreads the loop over clients.
 
 async def train_in_process(server: Server, executor: MultiAction) -> None:
     """The loop without the wire (--in-process): the hooks in the order the server drives them
@@ -136,53 +373,7 @@ def episode_info(info: dict) -> dict:
     return {"episode": episode} if episode["mask"].any() else {}
 
 
-async def run_episodes(ws, executor, num_episodes: int, tally: dict, reuse_obs=True) -> None:
-    """The client's loop: infer, execute the decision, reset what finished, send feedback."""
-    closed_loop = isinstance(executor, ClosedLoopMultiAction)
-    meta = unpack_message(await ws.recv())
-    check_metadata(meta, executor, closed_loop)
-    reuse_obs = reuse_obs and REUSE in meta["data"].get("features", [])
-    env_indices = np.arange(executor.env.num_envs, dtype=np.int64)
-    step_ids = np.zeros_like(env_indices)  # each episode's decisions so far; the server reads none
-    infer = {"message_type": "infer", "env_indices": env_indices}
-    await ws.send(pack_message({**infer, "data": executor.obs, "step_ids": step_ids}))
-    while True:
-        reply = unpack_message(await ws.recv())
-        # Time-major on the wire, [H, n, ...]; the executor takes [n, H, action_dim].
-        action = np.moveaxis(reply["data"]["action"], 0, 1)
-        if executor.env.num_actions is not None:
-            action = action[..., None]  # a discrete action is [H, n] on the wire
-        if closed_loop:
-            action = action[:, 0]  # one decision [n, decision_dim]
-        obs, reward, terminated, truncated, info = executor.step(action)
-        episode = info["episode"]
-        tally["returns"] += episode["r"][episode["mask"]].tolist()
-        tally["env_steps"] += int(info["executed_steps"].sum())  # the client's count, not sent
-        tally["decisions"] += len(env_indices)
-        feedback = {"message_type": "feedback", "env_indices": env_indices, "step_ids": step_ids,
-                    "data": {"obs": obs, "rewards": reward, "terminated": terminated,
-                             "truncated": truncated, "info": episode_info(info)}}
-        frame = pack_message(feedback)  # its bytes: the observations the episodes ended on
-        # Reset what finished before the send: the next infer starts the new episodes, and a
-        # connection lost in the send leaves no finished environment to be stepped again.
-        done = terminated | truncated
-        step_ids = np.where(done, 0, step_ids + 1)
-        if done.any():
-            executor.reset(np.flatnonzero(done))
-        if num_episodes and len(tally["returns"]) >= num_episodes:  # 0: until the run ends
-            await ws.send(frame)
-            return
-        # The next infer is packed first, so that the two frames leave back to back and the
-        # server reads them at once: one pass of its loop for both, not one each.
-        next_infer = {**infer, "data": executor.obs, "step_ids": step_ids}
-        if reuse_obs:  # the server holds what the feedback carries: send only the new episodes'
-            next_infer.update(data=slice_rows(executor.obs, done), reuse=~done)
-        next_infer = pack_message(next_infer)
-        await ws.send(frame)
-        await ws.send(next_infer)
-
-
-# ===== 2. The server: one control task between the clients and the algorithm =====
+# ===== 5. The server: one control task between the clients and the algorithm =====
 # PlugRL page: "Server contract" and "What the loop implies for the hooks". First what a frame
 # leaves on the server while it is in flight, then Server's core, in the order a frame meets it.
 
@@ -514,7 +705,7 @@ def discard_reason(algo: BaseAlgorithm, version: int, step: StepState) -> str | 
     return "learn due" if algo.should_learn() else None
 
 
-# ===== 3. A checkpoint on disk, and what SIGINT and SIGTERM do =====
+# ===== 6. A checkpoint on disk, and what SIGINT and SIGTERM do =====
 # PlugRL page: "should_save() and should_stop() are checked on every pass" (learn_and_save saves);
 # here, what a save writes, and how a signal becomes should_stop's clean path.
 
@@ -580,250 +771,6 @@ def on_signal(server: Server, signum: int = signal.SIGINT, _=None) -> None:
 def signalled_again(server: Server) -> bool:
     """A signal a second or more after the first: not one of its copies, a second request."""
     return server.signalled_at is not None and time.monotonic() - server.signalled_at >= 1.0
-
-
-# ===== 4. State types: what flows from infer to feedback, and what a checkpoint holds =====
-# PlugRL page: PolicyRuntimeState, PolicyTrainState (plugrl_server.policy.state), Checkpoint.
-
-# Whatever the policy returns from infer beside the action: an array or a dict of arrays (nested),
-# batched along axis 0. The server keeps it and hands each environment its row in feedback.
-PolicyRuntimeState: typing.TypeAlias = typing.Any
-# What derive_train_state keeps of a runtime state for learning (a nested dict of arrays, or None).
-PolicyTrainState: typing.TypeAlias = typing.Any
-
-
-@dataclasses.dataclass
-class Checkpoint:
-    """What create_checkpoint returns and load_checkpoint receives.
-
-    Keep every value a tensor or a plain Python value (dict, list, int, float, str, bool, None):
-    checkpoints load with torch.load(weights_only=True), which refuses anything else."""
-
-    step: int
-    model: dict | None
-    optimizer: dict | None
-    meta: dict
-
-
-# ===== 5. Policies: a batch of observations in, a batch of actions out =====
-# PlugRL page: BaseTorchPolicy. The built-in ones (dummy-policy, categorical-policy): section 11.
-
-class BaseTorchPolicy(nn.Module):
-    """An nn.Module (so state_dict() works) with what the server and algorithms call. Continuous
-    actions are float32 [n, action_horizon, action_dim]; discrete ones (num_actions set) are
-    int64 indices [n, action_horizon, 1]: one of num_actions choices per step."""
-
-    action_dim: int
-    action_horizon: int = 1
-    num_actions: int | None = None  # None: continuous actions
-    obs_spec: dict  # "images" and "states": name -> (shape without the batch axis, dtype)
-
-    def get_action_and_runtime_state(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
-        """Actions for a batch of observations, and the runtime state of how they were drawn."""
-        raise NotImplementedError
-
-    def fake_runtime_state(self, n: int) -> PolicyRuntimeState:
-        """A runtime state of the right shapes for n environments (used to size buffers)."""
-        raise NotImplementedError
-
-    def forward(self, obs: dict) -> torch.distributions.Distribution:
-        """The distribution runtime_state["sample"] came from, given tensors {key: [B, ...]}."""
-        raise NotImplementedError
-
-    @property
-    def device(self) -> torch.device:
-        """Where the weights are (--device): infer moves observations there, actions back."""
-        return next(self.parameters()).device
-
-    @property
-    def action_shape(self) -> tuple[int, int]:
-        """One environment's action (a decision): (action_horizon, action_dim)."""
-        return (self.action_horizon, self.action_dim)
-
-    def as_tensors(self, obs: dict) -> dict:
-        """A batch of observations with its images and states as tensors on the policy's device;
-        its text stays numpy's str: torch has no tensor of text."""
-        tensors = map_arrays(lambda array: torch.from_numpy(array).to(self.device),
-                             {"images": obs["images"], "states": obs["states"]})
-        return {**tensors, "text": obs["text"]}
-
-
-# ===== 6. Algorithms: the hooks the server loop calls, and the smallest algorithm =====
-# PlugRL page: BaseAlgoConfig, BaseAlgorithm, "Server contract" and "Design rules".
-
-@dataclasses.dataclass
-class BaseAlgoConfig:
-    """Every algorithm config derives from this. global_steps is the run length (--algo.*)."""
-
-    global_steps: int | None = 100_000  # the run ends at this global step (None: never)
-
-
-class BaseAlgorithm(abc.ABC):
-    """The server-side algorithm. Override learn_impl (abstract), feedback and the should_* hooks.
-
-    The server calls the hooks one at a time, never two at once. Before it serves, the command
-    line calls init_optimizers() and, with --resume, load_checkpoint(); then every hook runs from
-    the control task, except learn(), which runs in the learn thread while that task waits for it.
-    Under several ranks, the other ranks call pre_learn, learn and post_learn: serve_as_learner."""
-
-    # The routing rule. True: feedback() gets only frames whose action came from the current
-    # policy, while no learn is due. False (a replay-buffer learner): every frame.
-    on_policy: bool = True
-    example_env: str | None = None  # plugrl_min's own: what --local-env and the hint default to
-
-    def __init__(self, config: BaseAlgoConfig, policy: BaseTorchPolicy):
-        self.config, self.policy = config, policy
-        self.global_step = 0
-        self._episodes = []  # (return, length, success) of the episodes since the last learn
-
-    def infer(self, obs: dict) -> tuple[np.ndarray, PolicyRuntimeState]:
-        """Actions and runtime state for one batch (the server batches across clients)."""
-        return self.policy.get_action_and_runtime_state(obs)
-
-    def derive_train_state(self, runtime_state: PolicyRuntimeState) -> PolicyTrainState:
-        """Keep what learning will need of a runtime state (pg: the sample each action came from).
-
-        It runs once per infer batch, right after infer; each environment's row comes back as
-        feedback(train_state=), so a buffer stores that, not the whole runtime state."""
-        return None
-
-    def example_train_state(self, n: int) -> PolicyTrainState:
-        """A train state for n environments from the policy's fake runtime state: size buffers."""
-        return self.derive_train_state(self.policy.fake_runtime_state(n))
-
-    def feedback(self, *, obs: dict, runtime_state: PolicyRuntimeState,
-                 train_state: PolicyTrainState = None, terminated: bool, truncated: bool,
-                 next_obs: dict, reward, info: dict, next_terminated: bool, next_truncated: bool,
-                 prev_node: tuple) -> tuple[tuple, int, dict]:
-        """Store one frame: obs, the action drawn for it (runtime_state), reward and next_obs.
-
-        terminated/truncated are the flags of this environment's previous frame, because they
-        say what obs is: true means this frame begins an episode (obs is a reset observation).
-        Both false does not prove it continues one: an environment's first frame on a connection
-        may begin one too. What links frames is prev_node: what feedback returned for this
-        environment's previous frame, or (-1, "") when there is none to link to (its first
-        frame on this connection, or the one after a discard): a trajectory starts there.
-        next_terminated/next_truncated are this transition's own. Returns (prev_node,
-        global_step, log_dict): the prev_node to hand to this environment's next frame."""
-        raise NotImplementedError(f"{type(self).__name__}.feedback: store the frame and return "
-                                  "(prev_node, global_step, log_dict)")
-
-    def discard_feedback(self, *, info: dict, next_terminated: bool, next_truncated: bool) -> None:
-        """Every frame that is not stored. Overrides must call super(), or episodes go missing."""
-        self.record_finished_episode(info, next_terminated, next_truncated)
-
-    def record_finished_episode(self, info: dict, next_terminated: bool, next_truncated: bool):
-        """The page's check, written once: record info["episode"] if this frame ended one."""
-        if (next_terminated or next_truncated) and "episode" in info:
-            if bool(info["episode"].get("mask", True)):
-                self.record_episode_metrics(info["episode"])
-
-    def record_episode_metrics(self, episode: dict) -> None:
-        """Count one finished episode (r: return, l: length, s: success) in rollout/*."""
-        self._episodes.append((float(episode["r"]), float(episode["l"]),
-                               float(episode.get("s", 0.0))))
-
-    def build_train_info(self, global_step: int, log_dict: dict) -> tuple[int, dict]:
-        """Add rollout/* (means over the episodes recorded since the last learn; 0 if none)."""
-        means = np.mean(self._episodes, axis=0) if self._episodes else np.zeros(3)
-        rollout = {"rollout/reward": float(means[0]), "rollout/length": float(means[1]),
-                   "rollout/success": float(means[2]), "rollout/episodes": len(self._episodes)}
-        return global_step, {**log_dict, **rollout}
-
-    def learn(self) -> tuple[int, dict]:
-        """Concrete: learn_impl() wrapped by build_train_info. Override learn_impl, not this."""
-        global_step, log_dict = self.learn_impl()
-        return self.build_train_info(global_step, log_dict)
-
-    @abc.abstractmethod
-    def learn_impl(self) -> tuple[int, dict]:
-        """One learning step: (global_step, log_dict). It must move what should_learn reads."""
-
-    def pre_learn(self) -> None:
-        """Runs right before learn()."""
-
-    def post_learn(self) -> None:
-        """Runs right after learn(). Overrides must call super(): it resets rollout/*."""
-        self._episodes = []
-
-    def should_learn(self) -> bool:
-        """True when learn() should run. No inference happens while it is true."""
-        return False
-
-    def should_save(self) -> bool:
-        """True when a checkpoint is due; must turn false once create_checkpoint() has run."""
-        return False
-
-    def should_stop(self) -> bool:
-        """True when the run is over: a final checkpoint, then every client is told."""
-        steps = self.config.global_steps
-        return steps is not None and self.global_step >= steps
-
-    def create_checkpoint(self) -> Checkpoint:
-        """The policy weights and global_step; put schedule counters in meta."""
-        return Checkpoint(step=self.global_step, model=self.policy.state_dict(), optimizer=None,
-                          meta={})
-
-    def load_checkpoint(self, checkpoint: Checkpoint) -> None:
-        """Restore what create_checkpoint saved (on --resume, after init_optimizers)."""
-        self.global_step = checkpoint.step
-        if checkpoint.model is not None:
-            self.policy.load_state_dict(checkpoint.model)
-
-    def init_optimizers(self) -> None:
-        """Runs right after the algorithm is built: build optimizers here."""
-
-
-@dataclasses.dataclass
-class DummyAlgoConfig(BaseAlgoConfig):
-    """The dummy learns nothing: it only keeps the cadence of a real algorithm."""
-
-    global_steps: int | None = 10_000
-    learn_every: int = 1_000  # frames between learns
-    save_every: int = 100  # learns between checkpoints
-
-
-class DummyAlgorithm(BaseAlgorithm):
-    """The smallest complete algorithm: counts frames, 'learns' every learn_every, saves.
-    Registered as `dummy` with its config in section 10, where the registries are."""
-
-    def __init__(self, config: DummyAlgoConfig, policy: BaseTorchPolicy):
-        super().__init__(config=config, policy=policy)
-        self.frames_since_learn, self.learns, self.saved_at_learn = 0, 0, 0
-
-    def feedback(self, *, obs, runtime_state, train_state=None, terminated, truncated, next_obs,
-                 reward, info, next_terminated, next_truncated, prev_node):
-        """Count the frame and its finished episode; store nothing."""
-        self.record_finished_episode(info, next_terminated, next_truncated)
-        self.global_step += 1
-        self.frames_since_learn += 1
-        return prev_node, self.global_step, {}
-
-    def learn_impl(self):
-        """Nothing to learn; moving frames_since_learn is what turns should_learn false."""
-        self.frames_since_learn = 0
-        self.learns += 1
-        return self.global_step, {}
-
-    def should_learn(self):
-        return self.frames_since_learn >= self.config.learn_every
-
-    def should_save(self):
-        return self.learns - self.saved_at_learn >= self.config.save_every
-
-    def create_checkpoint(self):
-        """Weights, and in meta every counter the schedule reads."""
-        self.saved_at_learn = self.learns
-        return Checkpoint(step=self.global_step, model=self.policy.state_dict(), optimizer=None,
-                          meta={"frames_since_learn": self.frames_since_learn,
-                                "learns": self.learns, "saved_at_learn": self.saved_at_learn})
-
-    def load_checkpoint(self, checkpoint):
-        """Restore the weights and every counter, so the cadence continues exactly."""
-        super().load_checkpoint(checkpoint)
-        self.frames_since_learn = checkpoint.meta["frames_since_learn"]
-        self.learns = checkpoint.meta["learns"]
-        self.saved_at_learn = checkpoint.meta["saved_at_learn"]
 
 
 # ===== The first reading ends here ==========================================================
@@ -2790,8 +2737,8 @@ def warn_without_api_key(host: str, api_key: str | None) -> None:
 
 
 # ===== 14. Environment client: environments, executing a decision, connecting =====
-# PlugRL page: the client of its smoke test (plugrl-run-env-client dummy-v1). Its loop,
-# run_episodes, is section 1; pendulum-v1, cartpole-v1, probe-v1 and gym:ENV_ID follow as blocks.
+# PlugRL page: the client of its smoke test (plugrl-run-env-client dummy-v1), its loop
+# run_episodes; pendulum-v1, cartpole-v1, probe-v1 and gym:ENV_ID follow as blocks.
 
 from websockets.asyncio.client import connect
 
@@ -3099,6 +3046,52 @@ def misfit(meta: dict, env, decision_dim: int | None = None) -> str | None:
     if decision_dim and meta.get("action_horizon", 1) != 1:
         return f"a closed loop takes one decision, the policy sends {meta['action_horizon']}"
     return None
+
+
+async def run_episodes(ws, executor, num_episodes: int, tally: dict, reuse_obs=True) -> None:
+    """The client's loop: infer, execute the decision, reset what finished, send feedback."""
+    closed_loop = isinstance(executor, ClosedLoopMultiAction)
+    meta = unpack_message(await ws.recv())
+    check_metadata(meta, executor, closed_loop)
+    reuse_obs = reuse_obs and REUSE in meta["data"].get("features", [])
+    env_indices = np.arange(executor.env.num_envs, dtype=np.int64)
+    step_ids = np.zeros_like(env_indices)  # each episode's decisions so far; the server reads none
+    infer = {"message_type": "infer", "env_indices": env_indices}
+    await ws.send(pack_message({**infer, "data": executor.obs, "step_ids": step_ids}))
+    while True:
+        reply = unpack_message(await ws.recv())
+        # Time-major on the wire, [H, n, ...]; the executor takes [n, H, action_dim].
+        action = np.moveaxis(reply["data"]["action"], 0, 1)
+        if executor.env.num_actions is not None:
+            action = action[..., None]  # a discrete action is [H, n] on the wire
+        if closed_loop:
+            action = action[:, 0]  # one decision [n, decision_dim]
+        obs, reward, terminated, truncated, info = executor.step(action)
+        episode = info["episode"]
+        tally["returns"] += episode["r"][episode["mask"]].tolist()
+        tally["env_steps"] += int(info["executed_steps"].sum())  # the client's count, not sent
+        tally["decisions"] += len(env_indices)
+        feedback = {"message_type": "feedback", "env_indices": env_indices, "step_ids": step_ids,
+                    "data": {"obs": obs, "rewards": reward, "terminated": terminated,
+                             "truncated": truncated, "info": episode_info(info)}}
+        frame = pack_message(feedback)  # its bytes: the observations the episodes ended on
+        # Reset what finished before the send: the next infer starts the new episodes, and a
+        # connection lost in the send leaves no finished environment to be stepped again.
+        done = terminated | truncated
+        step_ids = np.where(done, 0, step_ids + 1)
+        if done.any():
+            executor.reset(np.flatnonzero(done))
+        if num_episodes and len(tally["returns"]) >= num_episodes:  # 0: until the run ends
+            await ws.send(frame)
+            return
+        # The next infer is packed first, so that the two frames leave back to back and the
+        # server reads them at once: one pass of its loop for both, not one each.
+        next_infer = {**infer, "data": executor.obs, "step_ids": step_ids}
+        if reuse_obs:  # the server holds what the feedback carries: send only the new episodes'
+            next_infer.update(data=slice_rows(executor.obs, done), reuse=~done)
+        next_infer = pack_message(next_infer)
+        await ws.send(frame)
+        await ws.send(next_infer)
 
 
 async def connect_to_server(args):
