@@ -320,32 +320,30 @@ class DummyAlgorithm(BaseAlgorithm):
 # over one vector of environments in this process. Section 5 spreads the loop over clients.
 
 async def train_in_process(server: Server, executor: MultiAction) -> None:
-    """The loop without the wire (--in-process): the hooks in the order the server drives them
-    for one client, over one vector of environments, in this process. What the server adds to it:
-    the wire, one infer() for many clients, and the stale frames a learn leaves in flight."""
+    """The loop without the wire (--in-process): the hooks over one vector of environments, in
+    the order the server drives them for one client. Served to one client instead, the same seed
+    ends on the same weights, byte for byte: the wire changes nothing."""
     n = executor.env.num_envs
-    conn = Connection(ws=None, number=1)  # the one client; a slot per environment, as served
-    slots = [conn.slots.setdefault(i, EnvSlot()) for i in range(n)]
+    slots = [EnvSlot() for _ in range(n)]  # each environment's last frame: its flags, prev_node
     obs = executor.reset()
     while True:
-        # infer() once for every environment, then derive_train_state(): each environment's
-        # step state is its row of the batch (the server: infer_waiting).
-        action, runtime_state, train_state = server.infer_and_derive(obs, n)
-        batch = InferBatch(server.version, 0.0, action, split_rows(obs, n),
-                           split_rows(runtime_state, n), split_rows(train_state, n))
-        # The decision, executed in every environment (the client: run_episodes).
-        next_obs, reward, terminated, truncated, info = executor.step(action)
-        # Each frame to feedback() or discard_feedback(), by the routing rule.
+        # infer() once for every environment, then derive_train_state(); each environment's row
+        # of the batch is its step state, which its frame is stored with.
+        batch = server.infer_batch(obs, n)
+        next_obs, reward, terminated, truncated, info = executor.step(batch.action)
         feedback = {"obs": next_obs, "rewards": reward, "terminated": terminated,
-                    "truncated": truncated, "info": episode_info(info)}  # a feedback's data
+                    "truncated": truncated, "info": episode_info(info)}  # what a client sends
         steps = [StepState(batch, i) for i in range(n)]
-        server.route_feedback(FeedbackMessage(conn, frames_of(range(n), slots, steps, feedback)))
+        # Each frame to feedback() or discard_feedback(), by discard_reason.
+        route_feedback(server, frames_of(range(n), slots, steps, feedback))
+        # learn() while should_learn(), between pre_learn() and post_learn(); a checkpoint if
+        # should_save() or should_stop(); the run ends at should_stop().
         if await learn_and_save(server):
             return
         server.record.show_progress(server)
         done = terminated | truncated
-        if done.any():  # new episodes, for the next infer
-            executor.reset(np.flatnonzero(done))
+        if done.any():
+            executor.reset(np.flatnonzero(done))  # new episodes, for the next infer
         obs = executor.obs
 
 
@@ -364,6 +362,48 @@ async def learn_and_save(server: Server) -> bool:
     if server.frames and (stop or algo.should_save()):  # none for a run of no frame
         server.save()  # create_checkpoint(), and the server's counters beside, to disk
     return stop
+
+
+def route_feedback(server: Server, frames: list[Frame], client: int = 1) -> None:
+    """The routing rule: each frame to feedback() if the algorithm stores it, discard_feedback()
+    if not. client: the connection's number, for --trace."""
+    algo = server.algo
+    for frame in frames:
+        slot, step = frame.slot, frame.step
+        reason = discard_reason(algo, server.version, step.batch.version)
+        if reason is not None:
+            algo.discard_feedback(info=frame.info, next_terminated=frame.next_terminated,
+                                  next_truncated=frame.next_truncated)
+            node = NO_NODE  # the chain of this environment's stored frames is broken
+            server.discarded += 1
+        else:
+            # terminated/truncated: how the slot's previous frame ended; next_*: this one.
+            batch = step.batch
+            node, server.global_step, log = algo.feedback(
+                obs=batch.obs[step.row], runtime_state=batch.runtime_state[step.row],
+                train_state=batch.train_state[step.row], terminated=slot.terminated,
+                truncated=slot.truncated, next_obs=frame.next_obs, reward=frame.reward,
+                info=frame.info, next_terminated=frame.next_terminated,
+                next_truncated=frame.next_truncated, prev_node=slot.prev_node)
+            if log:
+                server.record.add(log)
+        trace_frame(server, client, frame, node, reason)  # [trace] the first N frames
+        slot.prev_node = node
+        slot.terminated, slot.truncated = frame.next_terminated, frame.next_truncated
+    server.frames += len(frames)
+
+
+def discard_reason(algo: BaseAlgorithm, version: int, acted: int) -> str | None:
+    """The routing rule: why a frame goes to discard_feedback ("stale" or "learn due"), or None
+    for feedback (acted: the policy version that chose its action). An on-policy gradient
+    averages over actions of the policy being improved. A frame whose action came from an older
+    version (stale), or one that arrives once a learn is due (its batch is full), would bias it:
+    discard_feedback only counts its episode."""
+    if not algo.on_policy:  # a replay-buffer learner stores every frame
+        return None
+    if acted != version:
+        return "stale"
+    return "learn due" if algo.should_learn() else None
 
 
 def episode_info(info: dict) -> dict:
@@ -582,7 +622,7 @@ class Server:
             self.wake.clear()
             for item in self.inbox:  # no await in this loop: no message can arrive during it
                 if isinstance(item, FeedbackMessage):
-                    self.route_feedback(item)
+                    route_feedback(self, item.frames, item.conn.number)
                 else:
                     self.waiting.append(item)
             self.inbox = []
@@ -600,9 +640,7 @@ class Server:
         if not requests:
             return
         obs = join_rows([request.obs for request in requests])  # each one's keys: check_obs's
-        n = sum(len(request.env_indices) for request in requests)
-        action, runtime_state, train_state = self.infer_and_derive(obs, n)
-        batch = InferBatch(self.version, serving_clock(self), action, [], [], [])  # rows: below
+        batch = self.infer_batch(obs, sum(len(request.env_indices) for request in requests))
         row = 0
         for request in requests:
             first = row
@@ -610,58 +648,31 @@ class Server:
                 slot = request.conn.slots[i]
                 slot.waiting, slot.step = False, StepState(batch, row)
                 row += 1
-            rows = action[first:row]  # [n, H, action_dim]; a discrete action is [H, n] on the wire
+            rows = batch.action[first:row]  # [n, H, action_dim]; a discrete action is [H, n] on the wire
             rows = rows[..., 0] if self.algo.policy.num_actions is not None else rows
             reply = {"message_type": "action",  # time-major on the wire: [H, n, ...]
                      "data": {"env_ids": request.env_indices, "action": np.moveaxis(rows, 0, 1)}}
             with contextlib.suppress(ConnectionClosed):
                 await request.conn.ws.send(pack_message(reply))
-        # Each environment's rows, cut once for the whole batch (views, not copies; a 1-d field's
-        # row is a Python number) while the clients step: only this task reads them, to route.
-        batch.obs = split_rows(obs, n)
-        batch.runtime_state = split_rows(runtime_state, n)
-        batch.train_state = split_rows(train_state, n)
 
-    def infer_and_derive(self, obs: dict, n: int) -> tuple:
-        """infer(obs) and derive_train_state for n environments: (action, runtime_state,
-        train_state). An infer for no environment is answered without the algorithm."""
+    def infer_batch(self, obs: dict, n: int) -> InferBatch:
+        """infer(obs) for n environments, then derive_train_state: an InferBatch, each of its
+        fields cut into every environment's row (views, not copies; a 1-d field's row is a Python
+        number). An infer for no environment is answered without the algorithm."""
         policy = self.algo.policy
         dtype = np.float32 if policy.num_actions is None else np.int64  # as the wire sends it
-        if n == 0:
-            return np.zeros((0, *policy.action_shape), dtype), None, None
-        action, runtime_state = self.algo.infer(obs)
-        action = np.asarray(action, dtype)
-        if action.shape != (n, *policy.action_shape):  # the algorithm's own bug: the run fails
-            raise RuntimeError(f"infer returned actions {list(action.shape)}, expected "
-                               f"{[n, *policy.action_shape]}")
-        self.record.count_batch(n)  # for server/mean_batch_size
-        return action, runtime_state, self.algo.derive_train_state(runtime_state)
-
-    def route_feedback(self, message: FeedbackMessage) -> None:
-        """The routing rule: feedback() for frames the algorithm stores, discard_feedback() else."""
-        for frame in message.frames:
-            slot, step = frame.slot, frame.step
-            reason = discard_reason(self.algo, self.version, step)
-            if reason is not None:
-                self.algo.discard_feedback(info=frame.info, next_terminated=frame.next_terminated,
-                                           next_truncated=frame.next_truncated)
-                node = NO_NODE  # the chain of this environment's stored frames is broken
-                self.discarded += 1
-            else:
-                # terminated/truncated: how the slot's previous frame ended; next_*: this one.
-                batch = step.batch
-                node, self.global_step, log = self.algo.feedback(
-                    obs=batch.obs[step.row], runtime_state=batch.runtime_state[step.row],
-                    train_state=batch.train_state[step.row], terminated=slot.terminated,
-                    truncated=slot.truncated, next_obs=frame.next_obs, reward=frame.reward,
-                    info=frame.info, next_terminated=frame.next_terminated,
-                    next_truncated=frame.next_truncated, prev_node=slot.prev_node)
-                if log:
-                    self.record.add(log)
-            trace_frame(self, message.conn, frame, node, reason)  # [trace] the first N frames
-            slot.prev_node = node
-            slot.terminated, slot.truncated = frame.next_terminated, frame.next_truncated
-        self.frames += len(message.frames)
+        action, runtime_state, train_state = np.zeros((0, *policy.action_shape), dtype), None, None
+        if n > 0:
+            action, runtime_state = self.algo.infer(obs)
+            action = np.asarray(action, dtype)
+            if action.shape != (n, *policy.action_shape):  # the algorithm's own bug: it fails
+                raise RuntimeError(f"infer returned actions {list(action.shape)}, expected "
+                                   f"{[n, *policy.action_shape]}")
+            train_state = self.algo.derive_train_state(runtime_state)
+            self.record.count_batch(n)  # for server/mean_batch_size
+        return InferBatch(version=self.version, sent_at=serving_clock(self), action=action,
+                          obs=split_rows(obs, n), runtime_state=split_rows(runtime_state, n),
+                          train_state=split_rows(train_state, n))
 
     async def learn_once(self) -> None:
         """pre_learn, learn() in the learn thread, post_learn; messages queue, none is answered."""
@@ -691,18 +702,6 @@ class Server:
         self.stop_requested = True
         if self.loop is not None:
             call_soon(self.loop, self.wake.set)
-
-
-def discard_reason(algo: BaseAlgorithm, version: int, step: StepState) -> str | None:
-    """The routing rule: why a frame goes to discard_feedback ("stale" or "learn due"), or None
-    for feedback. An on-policy gradient averages over actions of the policy being improved. A
-    frame whose action came from an older version (stale), or one that arrives once a learn is
-    due (its batch is full), would bias it: discard_feedback only counts its episode."""
-    if not algo.on_policy:  # a replay-buffer learner stores every frame
-        return None
-    if step.batch.version != version:
-        return "stale"
-    return "learn due" if algo.should_learn() else None
 
 
 # ===== 6. A checkpoint on disk, and what SIGINT and SIGTERM do =====
@@ -2180,7 +2179,7 @@ def serve_as_learner(algo: DDPAlgorithm, ranks: Ranks) -> int:
 # ===== [trace] --trace N: the contract, watched as it runs =====
 # PlugRL page: the routing rule and prev_node, narrated for the first N frames and their learns.
 
-def trace_frame(server: Server, conn: Connection, frame: Frame, node: tuple,
+def trace_frame(server: Server, client: int, frame: Frame, node: tuple,
                 reason: str | None) -> None:
     """One line on one frame of the first N, from its infer batch to where its feedback went
     (reason: discard_reason's)."""
@@ -2194,7 +2193,7 @@ def trace_frame(server: Server, conn: Connection, frame: Frame, node: tuple,
              "stale": f"discard_feedback (stale: acted with version {batch.version}, the policy "
                       f"is version {server.version})",
              "learn due": "discard_feedback (learn due: should_learn() is true)"}[reason]
-    print(f"trace: conn {conn.number} env {frame.env_index} | infer batch of "
+    print(f"trace: conn {client} env {frame.env_index} | infer batch of "
           f"{len(batch.action)} at version {batch.version} | action {action} | "
           f"-> {where} | prev_node {frame.slot.prev_node} -> {node}", flush=True)
 

@@ -9328,9 +9328,9 @@ def defined_at(qualified: str) -> int:
 FIVE_QUESTIONS = {
     "where a frame's action comes from, and what decides feedback or discard_feedback": [
         "Server.infer_waiting", "BaseAlgorithm.infer", "BaseTorchPolicy.get_action_and_runtime_state",
-        "Server.route_feedback", "discard_reason", "BaseAlgorithm.on_policy"],
+        "route_feedback", "discard_reason", "BaseAlgorithm.on_policy"],
     "what happens to a frame acted by an older policy": [
-        "Server.route_feedback", "discard_reason", "BaseAlgorithm.discard_feedback", "BaseAlgorithm.feedback"],
+        "route_feedback", "discard_reason", "BaseAlgorithm.discard_feedback", "BaseAlgorithm.feedback"],
     "when learn runs, on which thread, and why serving pauses": [
         "learn_and_save", "Server.control_loop", "Server.learn_once", "BaseAlgorithm.learn"],
     "what a checkpoint holds and when it is written": [
