@@ -497,29 +497,37 @@ class FeedbackMessage:
     frames: list  # [m] Frame
 
 
+@dataclasses.dataclass
+class ServerConfig:
+    """A server's settings: the command line's flags of the same names (--max-message-bytes...)."""
+
+    max_message_bytes: int = MAX_MESSAGE_BYTES  # a larger frame closes its connection (1009)
+    max_envs_per_client: int = 4096  # one client must not hold the loop for everyone
+    feedback_timeout: float = 60.0  # seconds of serving a client may owe feedback; then dropped
+    api_key: str | None = None  # a client must send it at the handshake (None: anyone may)
+    log_every: int = 1000  # frames between lines of metrics.jsonl
+    learn_threads: int | None = None  # [learn-threads] torch threads per learn (None: idle cores)
+    trace: int = 0  # [trace] frames to narrate
+
+
 class Server:
     """One run: the algorithm behind a WebSocket endpoint, writing to its run directory. Each
     connection's task only checks and queues messages. One control task talks to the algorithm,
     so no two hooks ever run at once (learn runs in a worker thread, alone)."""
 
-    def __init__(self, algo: BaseAlgorithm, run_dir: str, names: tuple[str, str], *,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES, max_envs_per_client: int = 4096,
-                 feedback_timeout: float = 60.0, api_key: str | None = None,
-                 learn_threads: int | None = None,  # [learn-threads]
-                 trace: int = 0,  # [trace]
+    def __init__(self, algo: BaseAlgorithm, run_dir: str, names: tuple[str, str],
+                 config: ServerConfig | None = None, *,
                  ranks=None,  # [ranks] a Ranks: the other ranks of a torch.distributed launch
-                 global_step: int = 0, policy_version: int = 0, frames: int = 0,
-                 seconds: float = 0.0, log_every: int = 1000):
+                 resumed: dict | None = None):  # a checkpoint's counters, on --resume
         self.algo, self.run_dir = algo, run_dir
-        self.max_message_bytes = max_message_bytes
-        self.max_envs = max_envs_per_client  # one client must not hold the loop for everyone
-        self.feedback_timeout = feedback_timeout  # a client owing feedback longer is dropped
-        self.api_key = api_key  # a client must send it at the handshake (None: anyone may)
-        self.threads = LearnThreads(learn_threads)  # [learn-threads]
-        self.trace_left = trace  # [trace] frames still to narrate
-        self.ranks = ranks  # [ranks] the other ranks of a torch.distributed launch
-        self.global_step = global_step
-        self.version = policy_version  # learns so far (a resumed run continues the count)
+        self.config = config = config or ServerConfig()
+        counters = {"global_step": 0, "policy_version": 0, "frames": 0, "seconds": 0.0,
+                    **(resumed or {})}  # the run counts on from them
+        self.threads = LearnThreads(config.learn_threads)  # [learn-threads]
+        self.trace_left = config.trace  # [trace] frames still to narrate
+        self.ranks = ranks  # [ranks]
+        self.global_step = counters["global_step"]
+        self.version = counters["policy_version"]  # learns so far
         self.obs_spec = obs_spec_of(algo.policy.obs_spec)
         self.metadata = metadata_of(algo.policy, self.obs_spec, names)  # every client's first
         self.connections = set()  # the open ones; a closed or rejected one leaves at once
@@ -536,7 +544,7 @@ class Server:
         self.learning_seconds = 0.0  # in learns so far: the serving clock stands still in them
         self.frames = self.discarded = 0  # routed by this process, and of those discarded
         self.local_clients = []  # (number, process, log path) of the --local-env-clients
-        self.record = RunRecord(log_every, frames, seconds)  # metrics.jsonl, progress
+        self.record = RunRecord(config.log_every, counters["frames"], counters["seconds"])
         # Every learn() runs in this one OS thread (torch's thread count is per OS thread).
         self.learn_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="learn")
 
@@ -547,9 +555,9 @@ class Server:
         self.loop = asyncio.get_running_loop()
         with naming(f"cannot listen on {host}:{port}"):  # the bind alone: the port is taken...
             server = await websockets_serve(
-                self.handle_client, host, port, compression=None, max_size=self.max_message_bytes,
-                process_request=api_key_check(self.api_key),  # HTTP 401 without the key
-                ping_interval=self.feedback_timeout, ping_timeout=None)  # no pong closes one
+                self.handle_client, host, port, compression=None, max_size=self.config.max_message_bytes,
+                process_request=api_key_check(self.config.api_key),  # HTTP 401 without it
+                ping_interval=self.config.feedback_timeout, ping_timeout=None)  # no pong closes one
         async with server:
             open_run(self, server.sockets, on_listening)
             ticker = asyncio.create_task(tick(self.wake))
@@ -590,7 +598,7 @@ class Server:
                                 "send one feedback after every action, then infer")
         conn.expects = "feedback" if kind == "infer" else "infer"
         if kind == "infer":
-            check_env_cap(conn, env_ids, self.max_envs)  # one client must not hold the loop
+            check_env_cap(conn, env_ids, self.config.max_envs_per_client)  # one client must not hold the loop
             slots = [conn.slots.setdefault(i, EnvSlot()) for i in env_ids]
             for i, slot in zip(env_ids, slots):
                 if slot.waiting or slot.step is not None:
@@ -1987,8 +1995,8 @@ def load_newest_checkpoint(run_dir: str) -> tuple[Checkpoint, dict]:
 
 
 # ===== [learn-threads] How many torch threads a learn gets: one per core left idle =====
-# plugrl_min's own: the PlugRL page leaves threads to the server. Cut: learns and infers run on
-# torch's default count, as a plain script's would.
+# plugrl_min's own: the PlugRL page leaves threads to the server. Cut: learns run on the count
+# of the thread that serves (infer_on_one_thread), as its infers do.
 
 TORCH_THREADS = torch.get_num_threads()  # torch's own count, before the server pins its own
 CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []  # taskset
@@ -1997,8 +2005,7 @@ CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
 class LearnThreads:
     """Torch threads for each learn: --learn-threads N, or one per core that other processes
     leave idle, at most torch's count (/proc/stat, each second of learning): a learn's threads spin
-    waiting for each other, so beside a busy process two learn slower than one. The serving thread
-    infers on one, set before any network: had it run torch on two, sac's learns took 1.4x."""
+    waiting for each other, so beside a busy process two learn slower than one."""
 
     def __init__(self, fixed: int | None):
         self.fixed, self.most = fixed, min(TORCH_THREADS, len(CORES) or TORCH_THREADS)
@@ -2430,10 +2437,9 @@ class Serving(OnAThread):
             self.started.wait()
 
     def finish(self, coroutine) -> int:
-        # Torch's thread count is per thread, and a thread's first use of torch takes the count
-        # set last by any thread: asked first, this one's stays 1 when the caller's is put back.
-        if torch.get_num_threads() != 1:
-            torch.set_num_threads(1)  # one answers small inference batches fastest
+        # A thread's first use of torch takes the count set last by any thread: asked first,
+        # this one's stays 1 when the caller's is put back.
+        infer_on_one_thread()
         try:
             return run_status(self.server, coroutine)
         finally:
@@ -2696,11 +2702,11 @@ def serving_clock(server: Server) -> float:
 def drop_silent_clients(server: Server) -> None:
     """Drop a client whose environment owes feedback for an action sent --feedback-timeout s of
     serving ago (its other environments' feedback does not excuse it), saying so in the log."""
-    due = serving_clock(server) - server.feedback_timeout  # an action sent before is overdue
+    due = serving_clock(server) - server.config.feedback_timeout  # an action sent before is overdue
     for conn in list(server.connections):
         if any(slot.step is not None and slot.step.batch.sent_at < due
                for slot in conn.slots.values()):
-            why = f"no feedback for {server.feedback_timeout:g} s of serving"
+            why = f"no feedback for {server.config.feedback_timeout:g} s of serving"
             task = asyncio.create_task(close_one(server, conn, why, FEEDBACK_TIMEOUT))  # once
             _DROPPING.add(task)
             task.add_done_callback(_DROPPING.discard)
@@ -3573,7 +3579,7 @@ def eval_main(argv: list[str], command_line: bool = False) -> int:
         greedy = False
     if args.seed is not None:
         torch.manual_seed(args.seed)  # what a sampled action draws
-    torch.set_num_threads(1)  # one answers a small batch fastest (main puts the count back)
+    infer_on_one_thread()  # main puts the count back
     if args.serve:
         config = EvalConfig(episodes=args.episodes, greedy=greedy)
         return serve_trained(policy, resolved["policy"], env_id, args, config, command_line)
@@ -3630,7 +3636,7 @@ def serve_trained(policy: BaseTorchPolicy, uid: str, env_id: str | None,
         raise UsageError("eval --serve runs from a shell, not a notebook cell")  # [notebook]
     algo = EvalAlgorithm(config, policy)
     warn_without_api_key(args.host, args.api_key)
-    server = Server(algo, None, (uid, "eval"), api_key=args.api_key)
+    server = Server(algo, None, (uid, "eval"), ServerConfig(api_key=args.api_key))
     record = {"evaluates": args.run_dir, "checkpoint": args.checkpoint, "env": env_id,
               "policy": uid, "eval_config": dataclasses.asdict(config)}
 
@@ -3714,6 +3720,13 @@ def _building(what: str, build, *args):
         raise CommandError(f"building {what} failed (the traceback above says why)") from None
 
 
+def infer_on_one_thread() -> None:
+    """Torch's thread count is per OS thread: the one that serves (a run, eval) infers on one, set
+    before any network. It answers small batches fastest; on two, sac's learns took 1.4x."""
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 def server_main(argv: list[str], plugins: list[str] = (),
                 background: bool = False,  # [notebook] start()'s: the Serving, once it serves
                 at_end=None,  # [notebook] runs as a run on a thread of its own ends
@@ -3729,7 +3742,7 @@ def server_main(argv: list[str], plugins: list[str] = (),
                     policy_config=dataclasses.asdict(configs["policy"]),
                     algo_config=dataclasses.asdict(configs["algo"]), seed=args.seed,
                     env_kwargs=args.env_kwargs)
-    torch.set_num_threads(1)  # [learn-threads] it serves; pinned before any network: LearnThreads
+    infer_on_one_thread()
     algo = build_algorithm(words, configs, args, resolved)
     resume = args.run_dir if args.resume else None
     ranks = join_ranks(algo, words[2], algo.policy.device, resume)  # [ranks]
@@ -3744,14 +3757,11 @@ def server_main(argv: list[str], plugins: list[str] = (),
                                "reads") from None
         print(f"resumed from step {checkpoint.step} in {resume}", flush=True)
     warn_without_api_key(args.host, args.api_key)
-    server = Server(algo, args.run_dir, (words[0], words[2]),
-                    max_message_bytes=args.max_message_bytes,
-                    max_envs_per_client=args.max_envs_per_client,
-                    feedback_timeout=args.feedback_timeout, api_key=args.api_key,
-                    learn_threads=args.learn_threads,  # [learn-threads]
-                    trace=args.trace,  # [trace]
+    config = ServerConfig(**{field.name: getattr(args, field.name)  # each field has its flag
+                             for field in dataclasses.fields(ServerConfig)})
+    server = Server(algo, args.run_dir, (words[0], words[2]), config,
                     ranks=ranks,  # [ranks]
-                    log_every=args.log_every, **counters)
+                    resumed=counters)
     if resume is not None:  # the run's own checkpoints: pruning may delete its older ones
         server.saved = checkpoint_paths(resume)
     local_env = choose_local_env(args, server, known)
@@ -3898,19 +3908,21 @@ def add_server_flags(add) -> None:
     add_env_kwargs_flag(add, "for --local-env")
     add("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="auto: cuda if any "
         "(default: cpu)")
-    add("--log-every", type=int, default=1000, metavar="F", help="a line of metrics.jsonl at "
-        "the first learn once F frames (stored or discarded) were routed since the last "
-        "(default: 1000)")
+    add("--log-every", type=int, default=ServerConfig.log_every, metavar="F", help="a line of "
+        "metrics.jsonl at the first learn once F frames (stored or discarded) were routed since "
+        "the last (default: 1000)")
     add("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, metavar="B",
         help=f"a larger frame closes its connection (1009) (default: {MAX_MESSAGE_BYTES})")
-    add("--max-envs-per-client", type=int, default=4096, metavar="N", help="environments one "
-        "connection may use: one client cannot hold the loop (default: 4096)")
+    add("--max-envs-per-client", type=int, default=ServerConfig.max_envs_per_client,
+        metavar="N", help="environments one connection may use: one client cannot hold the "
+        "loop (default: 4096)")
     add("--learn-threads", type=int, metavar="N", help="torch threads per learn "  # [learn-threads]
         "(default: one per core other processes leave idle)")  # [learn-threads]
     add("--trace", type=int, default=0, metavar="N",  # [trace]
         help="narrate the first N frames and learns (default: 0)")  # [trace]
-    add("--feedback-timeout", type=float, default=60.0, metavar="S", help="seconds of serving "
-        "an environment may owe feedback for an action, also the ping interval (default: 60)")
+    add("--feedback-timeout", type=float, default=ServerConfig.feedback_timeout, metavar="S",
+        help="seconds of serving an environment may owe feedback for an action, also the ping "
+        "interval (default: 60)")
     add_api_key_flag(add)
 
 

@@ -483,7 +483,8 @@ def run_server(algo, run_dir, script, *, timeout=60.0, **options):
     os.makedirs(run_dir, exist_ok=True)  # the command line makes it (claim_run_dir); Server writes in it
 
     async def main():
-        server = plugrl_min.Server(algo, str(run_dir), ("dummy-policy", "probe"), **options)
+        config = plugrl_min.ServerConfig(**options)
+        server = plugrl_min.Server(algo, str(run_dir), ("dummy-policy", "probe"), config)
         ports = asyncio.Queue()
         task = asyncio.create_task(server.run("127.0.0.1", 0, on_listening=ports.put_nowait))
         port = await asyncio.wait_for(ports.get(), 10)
@@ -6597,7 +6598,7 @@ def test_env_client_reconnects_after_a_server_restart_and_finishes(tmp_path, cap
     config = plugrl_min.DummyAlgoConfig(global_steps=None, learn_every=100)
     os.makedirs(tmp_path / "second")
     second = plugrl_min.Server(make_algo("dummy", small_policy(), config), str(tmp_path / "second"),
-                               ("dummy-policy", "dummy"), log_every=1)
+                               ("dummy-policy", "dummy"), plugrl_min.ServerConfig(log_every=1))
 
     async def serve_until_the_client_is_done():
         run = asyncio.create_task(second.run("127.0.0.1", port))
