@@ -4,9 +4,8 @@
 Environments run in client processes and talk over WebSocket to a server that holds the policy
 and the algorithm: it batches inference, routes every frame to `feedback` or `discard_feedback`,
 learns, checkpoints and resumes. Every hook, rule and troubleshooting symptom of the PlugRL
-"Custom Algorithm" page holds here, with `plugrl_min` as the import path instead of
-`plugrl_server.*`; README.md says once what differs (the commands, argparse for Tyro, no
-sac_policy).
+"Custom Algorithm" page holds here, imported from `plugrl_min` instead of `plugrl_server.*`;
+README.md says once what differs.
 
 The first reading is the top of this file, down to the line "first reading ends": the contract
 (1-3: the state types, BaseTorchPolicy, BaseAlgorithm with every hook, DummyAlgorithm); the loop
@@ -44,8 +43,7 @@ import typing
 
 
 def refuse_import(problem: str) -> typing.NoReturn:
-    """A version this file cannot work with: a program that imports it gets an ImportError it can
-    handle; the command line (this file run as a script) prints the one line and exits 1."""
+    """A version it cannot work with: an ImportError, or on the command line one line, status 1."""
     if __name__ == "__main__":
         sys.exit(f"error: {problem}")
     raise ImportError(problem)
@@ -53,22 +51,16 @@ def refuse_import(problem: str) -> typing.NoReturn:
 
 if sys.version_info < (3, 11):  # the version it is tested on
     refuse_import(f"plugrl_min needs Python 3.11 or newer; this is {sys.version.split()[0]}")
-
 import numpy as np
 import torch
 import websockets
+from torch import nn
 
 if int(websockets.__version__.split(".")[0]) < 16:  # Server.close(code, reason) came in 16.0
     refuse_import(f"plugrl_min needs websockets 16 or newer; this Python has "
                   f"{websockets.__version__}: pip install -r requirements.txt")
-from torch import nn
 from websockets.asyncio.server import serve as websockets_serve
 from websockets.exceptions import ConnectionClosed  # websockets.ConnectionClosed: a lookup per use
-
-PROTOCOL_VERSION = 1
-MAX_MESSAGE_BYTES = 32 * 2**20  # a larger frame closes its connection (--max-message-bytes)
-# PlugRL's SPEC (1.1) sets no cap; this one guards the server's memory against a runaway client,
-# at over twice what 64 environments of PlugRL's dummy-v1 send, two cameras each (12 MB).
 
 
 # ===== 1. State types: what flows from infer to feedback, and what a checkpoint holds =====
@@ -83,11 +75,9 @@ PolicyTrainState: typing.TypeAlias = typing.Any
 
 @dataclasses.dataclass
 class Checkpoint:
-    """What create_checkpoint returns and load_checkpoint receives.
-
-    Keep every value a tensor or a plain Python value (dict, list, int, float, str, bool, None):
-    checkpoints load with torch.load(weights_only=True), which refuses anything else."""
-
+    """What create_checkpoint returns and load_checkpoint receives. Keep every value a tensor or
+    a plain Python value (dict, list, int, float, str, bool, None): checkpoints load with
+    torch.load(weights_only=True), which refuses anything else."""
     step: int
     model: dict | None
     optimizer: dict | None
@@ -143,7 +133,6 @@ class BaseTorchPolicy(nn.Module):
 @dataclasses.dataclass
 class BaseAlgoConfig:
     """Every algorithm config derives from this. global_steps is the run length (--algo.*)."""
-
     global_steps: int | None = 100_000  # the run ends at this global step (None: never)
 
 
@@ -266,7 +255,6 @@ class BaseAlgorithm(abc.ABC):
 @dataclasses.dataclass
 class DummyAlgoConfig(BaseAlgoConfig):
     """The dummy learns nothing: it only keeps the cadence of a real algorithm."""
-
     global_steps: int | None = 10_000
     learn_every: int = 1_000  # frames between learns
     save_every: int = 100  # learns between checkpoints
@@ -350,16 +338,15 @@ async def train_in_process(server: Server, executor: MultiAction) -> None:
 async def learn_and_save(server: Server) -> bool:
     """After routing, on every pass of both loops: learn() while should_learn(), then a checkpoint
     if should_save() or should_stop(). True once the run stops (or a signal asked it to)."""
-    algo = server.algo
-    # No inference while should_learn() is true: learn() runs in another thread and changes the
-    # weights infer() reads, and an action drawn now would come from a policy about to be replaced
-    # (an on-policy learner would only discard its frame). If should_learn() stays true, learn
-    # again: the page's symptom when it never turns false.
-    while algo.should_learn() and not server.stop_requested:
+    # No inference while should_learn() is true: learn() changes the weights infer() reads, and an
+    # action drawn now would come from a policy about to be replaced (an on-policy learner would
+    # only discard its frame). While it stays true, learn again: the page's symptom if it never
+    # turns false.
+    while server.algo.should_learn() and not server.stop_requested:
         await server.learn_once()
     # Once a pass, after its learns (none between back-to-back learns): stop, save.
-    stop = server.stop_requested or algo.should_stop()
-    if server.frames and (stop or algo.should_save()):  # none for a run of no frame
+    stop = server.stop_requested or server.algo.should_stop()
+    if server.frames and (stop or server.algo.should_save()):  # none for a run of no frame
         server.save()  # create_checkpoint(), and the server's counters beside, to disk
     return stop
 
@@ -418,8 +405,6 @@ def episode_info(info: dict) -> dict:
 # leaves on the server while it is in flight, then Server's core, in the order a frame meets it.
 
 SERVER_STOP = "plugrl-server-stop"  # the reason of every close 1001 at the run's end (SPEC 7.1)
-SERVER_RESYNC = "plugrl-server-resync"  # and of one client's, for a message refused (SPEC 7.2)
-REUSE = "reuse-feedback-obs"  # the one feature of the metadata's list: see reused_obs (SPEC 10.1)
 INTERNAL_ERROR = "Internal server error."  # the reason of every close 1011 (SPEC 7.4)
 NO_NODE = (-1, "")  # prev_node when there is no stored frame of this environment to link to
 
@@ -427,7 +412,6 @@ NO_NODE = (-1, "")  # prev_node when there is no stored frame of this environmen
 @dataclasses.dataclass(eq=False, slots=True)  # slots (here and below): lighter, quicker per frame
 class InferBatch:
     """One infer() call, kept until every environment in it has sent its feedback."""
-
     version: int  # the policy version that acted: learns so far
     sent_at: float  # the serving clock when its actions were sent: each one's feedback is due
     action: np.ndarray  # [n, action_horizon, action_dim]
@@ -439,7 +423,6 @@ class InferBatch:
 @dataclasses.dataclass(eq=False, slots=True)
 class StepState:
     """An environment's step state: the infer batch and row of the action it executes."""
-
     batch: InferBatch
     row: int
 
@@ -447,7 +430,6 @@ class StepState:
 @dataclasses.dataclass(eq=False, slots=True)
 class EnvSlot:
     """What the server keeps for one environment of one connection."""
-
     waiting: bool = False  # its infer is queued; its action not sent yet
     step: StepState | None = None  # the action it was given and owes feedback for
     terminated: bool = False  # how its previous frame ended: feedback(terminated=, truncated=)
@@ -459,7 +441,6 @@ class EnvSlot:
 @dataclasses.dataclass(eq=False, slots=True)
 class Connection:
     """One env client: its WebSocket and its environments, by the client's own env_indices."""
-
     ws: typing.Any
     number: int  # for the trace and the log: connections in the order they came
     slots: dict = dataclasses.field(default_factory=dict)  # env index -> EnvSlot
@@ -469,7 +450,6 @@ class Connection:
 @dataclasses.dataclass(eq=False, slots=True)
 class InferRequest:
     """A checked infer message, queued until the control loop answers it."""
-
     conn: Connection
     env_indices: np.ndarray  # int64 [n]
     obs: dict  # images, states, text: each array [n, ...]
@@ -478,7 +458,6 @@ class InferRequest:
 @dataclasses.dataclass(eq=False, slots=True)
 class Frame:
     """One environment's frame: its step state (what it was given) and what its feedback says."""
-
     env_index: int  # the client's own name for the environment
     slot: EnvSlot
     step: StepState  # taken from the slot when the message arrived: observation, action, states
@@ -492,22 +471,8 @@ class Frame:
 @dataclasses.dataclass(eq=False, slots=True)
 class FeedbackMessage:
     """A checked feedback message: its frames, one per environment, in the message's order."""
-
     conn: Connection
     frames: list  # [m] Frame
-
-
-@dataclasses.dataclass
-class ServerConfig:
-    """A server's settings: the command line's flags of the same names (--max-message-bytes...)."""
-
-    max_message_bytes: int = MAX_MESSAGE_BYTES  # a larger frame closes its connection (1009)
-    max_envs_per_client: int = 4096  # one client must not hold the loop for everyone
-    feedback_timeout: float = 60.0  # seconds of serving a client may owe feedback; then dropped
-    api_key: str | None = None  # a client must send it at the handshake (None: anyone may)
-    log_every: int = 1000  # frames between lines of metrics.jsonl
-    learn_threads: int | None = None  # [learn-threads] torch threads per learn (None: idle cores)
-    trace: int = 0  # [trace] frames to narrate
 
 
 class Server:
@@ -526,8 +491,7 @@ class Server:
         self.threads = LearnThreads(config.learn_threads)  # [learn-threads]
         self.trace_left = config.trace  # [trace] frames still to narrate
         self.ranks = ranks  # [ranks]
-        self.global_step = counters["global_step"]
-        self.version = counters["policy_version"]  # learns so far
+        self.global_step, self.version = counters["global_step"], counters["policy_version"]
         self.obs_spec = obs_spec_of(algo.policy.obs_spec)
         self.metadata = metadata_of(algo.policy, self.obs_spec, names)  # every client's first
         self.connections = set()  # the open ones; a closed or rejected one leaves at once
@@ -552,12 +516,12 @@ class Server:
         """Serve until should_stop() or a signal (status 0), or a local client or hook fails (1).
         Tasks: handle_client per connection, this one's control_loop, and tick().
         on_listening(port) runs once the port is taken, before anything is written."""
-        self.loop = asyncio.get_running_loop()
+        self.loop, config = asyncio.get_running_loop(), self.config
         with naming(f"cannot listen on {host}:{port}"):  # the bind alone: the port is taken...
             server = await websockets_serve(
-                self.handle_client, host, port, compression=None, max_size=self.config.max_message_bytes,
-                process_request=api_key_check(self.config.api_key),  # HTTP 401 without it
-                ping_interval=self.config.feedback_timeout, ping_timeout=None)  # no pong closes one
+                self.handle_client, host, port, compression=None, max_size=config.max_message_bytes,
+                process_request=api_key_check(config.api_key),  # HTTP 401 without the key
+                ping_interval=config.feedback_timeout, ping_timeout=None)  # no pong closes one
         async with server:
             open_run(self, server.sockets, on_listening)
             ticker = asyncio.create_task(tick(self.wake))
@@ -593,28 +557,14 @@ class Server:
         """Check a message and move its environments on; handle_client queues what it returns. A
         feedback takes each environment's step state out of its slot now: it may infer again."""
         kind, env_ids = check_message(message, self.obs_spec)
-        if kind != conn.expects:  # each connection: infer, action, feedback, in turn
-            raise ProtocolError(f"{kind} where {conn.expects} was due",
-                                "send one feedback after every action, then infer")
-        conn.expects = "feedback" if kind == "infer" else "infer"
+        slots = check_turn(conn, kind, env_ids, self.config.max_envs_per_client)  # SPEC 4.2
         if kind == "infer":
-            check_env_cap(conn, env_ids, self.config.max_envs_per_client)  # one client must not hold the loop
-            slots = [conn.slots.setdefault(i, EnvSlot()) for i in env_ids]
-            for i, slot in zip(env_ids, slots):
-                if slot.waiting or slot.step is not None:
-                    owes = "waits for its last action" if slot.waiting else "owes feedback"
-                    raise ProtocolError(f"infer: environment {i} {owes}",
-                                        "send feedback after every action, then infer")
-                slot.waiting = True
+            for slot in slots:
+                slot.waiting = True  # until its action is sent
             if message.get("reuse") is not None:
                 message["data"] = reused_obs(slots, env_ids, message["reuse"], message["data"])
             return InferRequest(conn, message["env_indices"], message["data"])
-        slots = [conn.slots.get(i) for i in env_ids]
-        steps = [slot and slot.step for slot in slots]
-        if None in steps:  # an action of an earlier connection: a frame built from nothing
-            print(f"client {conn.number}: feedback for environments with no step state on this "
-                  f"connection, {[i for i, step in zip(env_ids, steps) if step is None]}: not "
-                  "stored", file=sys.stderr, flush=True)
+        steps = [slot and slot.step for slot in slots]  # None: no step state, nothing stored
         data = message["data"]
         done = (data["terminated"] | data["truncated"]).tolist()
         for row, (slot, step) in enumerate(zip(slots, steps)):
@@ -656,12 +606,9 @@ class Server:
                 slot = request.conn.slots[i]
                 slot.waiting, slot.step = False, StepState(batch, row)
                 row += 1
-            rows = batch.action[first:row]  # [n, H, action_dim]; a discrete action is [H, n] on the wire
-            rows = rows[..., 0] if self.algo.policy.num_actions is not None else rows
-            reply = {"message_type": "action",  # time-major on the wire: [H, n, ...]
-                     "data": {"env_ids": request.env_indices, "action": np.moveaxis(rows, 0, 1)}}
+            reply = action_message(request.env_indices, batch.action[first:row])
             with contextlib.suppress(ConnectionClosed):
-                await request.conn.ws.send(pack_message(reply))
+                await request.conn.ws.send(reply)
 
     def infer_batch(self, obs: dict, n: int) -> InferBatch:
         """infer(obs) for n environments, then derive_train_state: an InferBatch, each of its
@@ -725,13 +672,7 @@ def save_checkpoint(run_dir: str, checkpoint: Checkpoint, server_counters: dict)
     payload = {**vars(checkpoint), "server": server_counters}  # asdict would copy every tensor
     buffer = io.BytesIO()
     torch.save(payload, buffer)
-    buffer.seek(0)
-    try:  # a checkpoint that cannot be resumed from must fail the run now, not at --resume
-        torch.load(buffer, weights_only=True)
-    except Exception as error:
-        raise TypeError("create_checkpoint returned a value that torch.load(weights_only=True) "
-                        "refuses: keep tensors and plain Python values (numpy scalars and "
-                        "arrays are the usual culprits)") from error
+    check_loadable(buffer)  # one that cannot be resumed from fails the run now, not at --resume
     temporary = f"{path}.{os.getpid()}.tmp"  # no other process writes this name
     with naming(f"cannot write the checkpoint {path}"), open(temporary, "wb") as file:
         file.write(buffer.getbuffer())
@@ -741,25 +682,10 @@ def save_checkpoint(run_dir: str, checkpoint: Checkpoint, server_counters: dict)
     return path
 
 
-def serve(server: Server, run, command_line: bool) -> int:
-    """Serve in the main thread until the run (server.run, or run_in_process) ends: its exit
-    status. SIGINT and SIGTERM call on_signal until the local clients are gone; then this gives
-    back the handlers it found (main([...])), or ignores both as the command line exits."""
-    handler = functools.partial(on_signal, server)
-    before = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return run_status(server, run)
-    finally:
-        for signum, old in before.items():
-            # As Python exits it resets a handler, not SIG_IGN: a copy of SIGTERM would kill (143).
-            signal.signal(signum, signal.SIG_IGN if command_line else old)
-
-
 def on_signal(server: Server, signum: int = signal.SIGINT, _=None) -> None:
-    """SIGINT or SIGTERM: the first is request_stop(); copies within a second are the same
-    request (timeout, docker stop, Slurm and a terminal's Ctrl-C send several); a later one
-    quits at once. A plain handler: serve() installs it for a run, and a notebook's first
-    Interrupt calls it. It runs between two lines of the loop's thread, a final save's too."""
+    """SIGINT or SIGTERM: the first is request_stop(); its copies within a second are the same
+    request, and a later one quits at once (signalled_again, quit_at_once). A plain handler:
+    serve() installs it for a run, and a notebook's first Interrupt calls it."""
     if server.signalled_at is None:
         server.signalled_at = time.monotonic()
         again = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
@@ -768,25 +694,15 @@ def on_signal(server: Server, signum: int = signal.SIGINT, _=None) -> None:
               file=sys.stderr, flush=True)
         server.request_stop()
     elif signalled_again(server):
-        if server.closing:  # the final checkpoint is written: nothing is left to lose
-            os._exit(server.status if server.ended is None else server.ended)
-        print("\nstopped again: exiting now, without a final checkpoint", file=sys.stderr,
-              flush=True)
-        os._exit(130)
-
-
-def signalled_again(server: Server) -> bool:
-    """A signal a second or more after the first: not one of its copies, a second request."""
-    return server.signalled_at is not None and time.monotonic() - server.signalled_at >= 1.0
+        quit_at_once(server)
 
 
 # ===== The first reading ends here ==========================================================
 # Its five questions, and where it answered them: where an action comes from and what routes its
-# feedback (infer_waiting, route_feedback, discard_reason, on_policy); what becomes of a stale
-# frame (discard_reason, discard_feedback); when learn runs and why serving pauses (learn_and_save,
+# feedback (infer_batch, route_feedback, discard_reason, on_policy); what becomes of a stale frame
+# (discard_reason, discard_feedback); when learn runs and why serving pauses (learn_and_save,
 # learn_once); what a checkpoint holds and when it is written (Checkpoint, learn_and_save, save,
-# create_checkpoint); what SIGTERM does (on_signal, request_stop, learn_and_save, run). The second
-# reading, section by section, in any order; the optional blocks can be cut (see the docstring).
+# create_checkpoint); what SIGTERM does (on_signal, request_stop, learn_and_save, run).
 
 
 # ===== 7. PG: the first learner, on one rank or several (DDPAlgorithm) =====
@@ -801,7 +717,6 @@ from torch.nn.parallel import DistributedDataParallel
 @dataclasses.dataclass
 class PGConfig(BaseAlgoConfig):
     """pg's hyperparameters; every field is a flag (--algo.frames-per-learn 2048)."""
-
     global_steps: int | None = 200_000  # frames stored, then the run ends
     frames_per_learn: int = 1024  # the batch: a learn runs each time it is full
     gamma: float = 0.99  # discount per decision
@@ -1578,7 +1493,6 @@ class ObsEncoder(nn.Module):
 @dataclasses.dataclass
 class DummyPolicyConfig:
     """Sizes of dummy-policy; the defaults fit dummy-v1 and pendulum-v1 (3 numbers in, 1 out)."""
-
     obs_spec: dict = dataclasses.field(  # group -> name -> [shape, dtype] it reads (JSON)
         default_factory=lambda: {"states": {"state": [[3], "float32"]}})
     action_dim: int = 1  # numbers in one action, each in [-1, 1]
@@ -1652,7 +1566,6 @@ class DummyPolicy(BaseTorchPolicy):
 class PlugRLDummyPolicyConfig(DummyPolicyConfig):
     """Sized for what PlugRL's own dummy-v1 client sends: two states (float64 on the wire: cast
     on receipt), two cameras this policy does not read, and text; 7 numbers in an action."""
-
     obs_spec: dict = dataclasses.field(default_factory=lambda: {"states": {
         "robot_state": [[10], "float32"], "joint_angles": [[5], "float32"]}})
     action_dim: int = 7
@@ -1662,7 +1575,6 @@ class PlugRLDummyPolicyConfig(DummyPolicyConfig):
 @dataclasses.dataclass
 class CategoricalPolicyConfig:
     """Sizes of categorical-policy (discrete actions); the defaults fit cartpole-v1."""
-
     obs_spec: dict = dataclasses.field(  # group -> name -> [shape, dtype] it reads (JSON)
         default_factory=lambda: {"states": {"state": [[4], "float32"]}})
     num_actions: int = 2  # choices per step
@@ -1897,6 +1809,20 @@ def leave_as_found(run_dir: str, claimed: tuple[bool, set], local_clients: list)
     print(f"the run directory {run_dir} is {'removed' if made else 'as it was'}", flush=True)
 
 
+def serve(server: Server, run, command_line: bool) -> int:
+    """Serve in the main thread until the run (server.run, or run_in_process) ends: its exit
+    status. SIGINT and SIGTERM call on_signal until the local clients are gone; then this gives
+    back the handlers it found (main([...])), or ignores both as the command line exits."""
+    handler = functools.partial(on_signal, server)
+    before = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return run_status(server, run)
+    finally:
+        for signum, old in before.items():
+            # As Python exits it resets a handler, not SIG_IGN: a copy of SIGTERM would kill (143).
+            signal.signal(signum, signal.SIG_IGN if command_line else old)
+
+
 def run_status(server: Server, run) -> int:
     """asyncio.run(run), the server's run, in this thread: its exit status, or for a failure
     around it (the port, the run directory: one line; else a traceback) its CommandError's or 1."""
@@ -1922,6 +1848,22 @@ async def tick(wake: asyncio.Event) -> None:
     while True:
         await asyncio.sleep(0.5)
         wake.set()
+
+
+def signalled_again(server: Server) -> bool:
+    """A signal a second or more after the first: a second request, not one of its copies
+    (timeout, docker stop, Slurm and a terminal's Ctrl-C send several)."""
+    return server.signalled_at is not None and time.monotonic() - server.signalled_at >= 1.0
+
+
+def quit_at_once(server: Server) -> typing.NoReturn:
+    """A second request to stop: exit now, without a final checkpoint unless it is written. The
+    handler runs between two lines of the loop's thread, a final save's too: os._exit, which no
+    save can catch; a cancel would leave a learn running, which the exit waits for."""
+    if server.closing:  # the final checkpoint is written: nothing is left to lose
+        os._exit(server.status if server.ended is None else server.ended)
+    print("\nstopped again: exiting now, without a final checkpoint", file=sys.stderr, flush=True)
+    os._exit(130)
 
 
 @contextlib.contextmanager
@@ -1972,6 +1914,17 @@ class CheckpointDict(dict):
 
     def __reduce__(self):  # kept and saved again by an algorithm: a type weights_only loads
         return collections.OrderedDict, (), None, None, iter(self.items())
+
+
+def check_loadable(buffer: io.BytesIO) -> None:
+    """A checkpoint's bytes, loaded as --resume will: a TypeError that names the culprits."""
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except Exception as error:
+        raise TypeError("create_checkpoint returned a value that torch.load(weights_only=True) "
+                        "refuses: keep tensors and plain Python values (numpy scalars and "
+                        "arrays are the usual culprits)") from error
 
 
 def read_checkpoint(path: str) -> tuple[Checkpoint, dict]:
@@ -2497,6 +2450,26 @@ def start(argv: list[str]) -> Serving:
 # connection for a resync, the log naming the field and what it must be. The algorithm only sees
 # messages that passed. Then the feedback timeout and the API key. A first reading skips these.
 
+PROTOCOL_VERSION = 1
+SERVER_RESYNC = "plugrl-server-resync"  # the reason of a close for a message refused (SPEC 7.2)
+REUSE = "reuse-feedback-obs"  # the one feature of the metadata's list: see reused_obs (SPEC 10.1)
+MAX_MESSAGE_BYTES = 32 * 2**20  # a larger frame closes its connection (--max-message-bytes)
+# PlugRL's SPEC (1.1) sets no cap; this one guards the server's memory against a runaway client,
+# at over twice what 64 environments of PlugRL's dummy-v1 send, two cameras each (12 MB).
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    """A server's settings: the command line's flags of the same names (--max-message-bytes...)."""
+    max_message_bytes: int = MAX_MESSAGE_BYTES  # a larger frame closes its connection (1009)
+    max_envs_per_client: int = 4096  # one client must not hold the loop for everyone
+    feedback_timeout: float = 60.0  # seconds of serving a client may owe feedback; then dropped
+    api_key: str | None = None  # a client must send it at the handshake (None: anyone may)
+    log_every: int = 1000  # frames between lines of metrics.jsonl
+    learn_threads: int | None = None  # [learn-threads] torch threads per learn (None: idle cores)
+    trace: int = 0  # [trace] frames to narrate
+
+
 def metadata_of(policy: BaseTorchPolicy, obs_spec: dict, names: tuple[str, str]) -> dict:
     """The metadata message (SPEC 5.1): PlugRL's keys, then this server's own beside them: what
     the policy reads (obs_spec, as obs_spec_of writes it) and its number of choices."""
@@ -2508,6 +2481,14 @@ def metadata_of(policy: BaseTorchPolicy, obs_spec: dict, names: tuple[str, str])
                              for key, (shape, dtype) in keys.items()}
                      for group, keys in obs_spec.items()},
         "num_actions": policy.num_actions}}
+
+
+def action_message(env_ids: np.ndarray, action: np.ndarray) -> bytes:
+    """The action message (SPEC 5.3) for these environments' rows, [n, H, action_dim] here:
+    time-major on the wire, [H, n, action_dim]; a discrete action [H, n], as int64."""
+    action = action[..., 0] if action.dtype == np.int64 else action
+    return pack_message({"message_type": "action",
+                         "data": {"env_ids": env_ids, "action": np.moveaxis(action, 0, 1)}})
 
 
 MISSING = object()  # what message.get(field, MISSING) gives for a field left out
@@ -2639,6 +2620,32 @@ def _leaves(tree: dict, path: str = ""):
             yield from _leaves(value, f"{path}.{key}")
         else:
             yield f"{path}.{key}", value
+
+
+def check_turn(conn: Connection, kind: str, env_ids: list, max_envs: int) -> list:
+    """A connection's order (SPEC 4.2): infer, action, feedback, in turn, for each environment
+    too. Its slots: made at an environment's first infer; for a feedback, None where the
+    connection has none. Feedback rows with no step state (an earlier connection's action) are
+    logged here, and accept stores the others."""
+    if kind != conn.expects:
+        raise ProtocolError(f"{kind} where {conn.expects} was due",
+                            "send one feedback after every action, then infer")
+    conn.expects = "feedback" if kind == "infer" else "infer"
+    if kind == "feedback":
+        slots = [conn.slots.get(i) for i in env_ids]
+        lost = [i for i, slot in zip(env_ids, slots) if slot is None or slot.step is None]
+        if lost:
+            print(f"client {conn.number}: feedback for environments with no step state on this "
+                  f"connection, {lost}: not stored", file=sys.stderr, flush=True)
+        return slots
+    check_env_cap(conn, env_ids, max_envs)  # one client must not hold the loop for everyone
+    slots = [conn.slots.setdefault(i, EnvSlot()) for i in env_ids]
+    for i, slot in zip(env_ids, slots):
+        if slot.waiting or slot.step is not None:
+            owes = "waits for its last action" if slot.waiting else "owes feedback"
+            raise ProtocolError(f"infer: environment {i} {owes}",
+                                "send feedback after every action, then infer")
+    return slots
 
 
 def check_env_cap(conn: Connection, env_ids: list, max_envs: int) -> None:
@@ -3522,7 +3529,6 @@ def evaluation(returns: list[float]) -> str:
 @dataclasses.dataclass
 class EvalConfig(BaseAlgoConfig):
     """eval --serve: the episodes to serve, and how to act."""
-
     global_steps: int | None = None  # the episodes end it, not the steps
     episodes: int = 10  # finished episodes, then the run ends (0: until stopped)
     greedy: bool = True  # the most likely action; false: sampled as in training

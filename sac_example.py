@@ -38,7 +38,6 @@ UID = "sac"  # the name on the command line: python plugrl_min.py dummy-policy d
 @dataclasses.dataclass
 class SACConfig(BaseAlgoConfig):
     """SAC's hyperparameters. global_steps counts stored frames and ends the run."""
-
     global_steps: int | None = 15_000  # frames stored, then the run ends (CleanRL's: 1,000,000)
     buffer_size: int = 1_000_000  # frames kept (at most global_steps); the oldest goes first
     gamma: float = 0.99  # discount per decision

@@ -9231,7 +9231,7 @@ def test_eval_video_without_moviepy_is_one_line_naming_it(tmp_path, monkeypatch)
 # The handout checks (`handout`, PLUGRL_CHECK_HANDOUT=1) hold README.md and the file's layout to each
 # other: CI runs them; a student's edit of plugrl_min.py need not pass them.
 
-# --- The reading map: the first reading ends by line 840 and answers its five questions -----------
+# --- The reading map: the first reading ends by line 700 and answers its five questions -----------
 
 def readme_map() -> list[tuple[int, int, str, str]]:
     """The rows of README.md's map of the second reading: (first line, last line, what, how it is read)."""
@@ -9289,11 +9289,11 @@ def defined_in(lines: list[str], name: str) -> int:
     return found
 
 
-FIRST_READING_ENDS_BY = 840  # while the wire moves to PlugRL's; then 700, once the first reading is rewritten
+FIRST_READING_ENDS_BY = 700
 
 
 @handout
-def test_handout_the_first_reading_ends_at_its_banner_by_line_840():
+def test_handout_the_first_reading_ends_at_its_banner_by_line_700():
     assert banner_line() <= FIRST_READING_ENDS_BY
 
 
@@ -9328,7 +9328,7 @@ def defined_at(qualified: str) -> int:
 # The five questions a course asks of the file, and where the first reading answers each.
 FIVE_QUESTIONS = {
     "where a frame's action comes from, and what decides feedback or discard_feedback": [
-        "Server.infer_waiting", "BaseAlgorithm.infer", "BaseTorchPolicy.get_action_and_runtime_state",
+        "Server.infer_waiting", "Server.infer_batch", "BaseAlgorithm.infer", "BaseTorchPolicy.get_action_and_runtime_state",
         "route_feedback", "discard_reason", "BaseAlgorithm.on_policy"],
     "what happens to a frame acted by an older policy": [
         "route_feedback", "discard_reason", "BaseAlgorithm.discard_feedback", "BaseAlgorithm.feedback"],
@@ -9336,8 +9336,7 @@ FIVE_QUESTIONS = {
         "learn_and_save", "Server.control_loop", "Server.learn_once", "BaseAlgorithm.learn"],
     "what a checkpoint holds and when it is written": [
         "Checkpoint", "learn_and_save", "Server.save", "save_checkpoint", "DummyAlgorithm.create_checkpoint"],
-    "what the server does on SIGTERM": ["on_signal", "serve", "Server.request_stop", "learn_and_save",
-                                        "Server.run"],
+    "what the server does on SIGTERM": ["on_signal", "Server.request_stop", "learn_and_save", "Server.run"],
 }
 
 
