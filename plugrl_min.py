@@ -1248,17 +1248,15 @@ def observation(n: int, states: dict | None = None, images: dict | None = None, 
 
 
 def obs_spec_of(spec: dict) -> dict:
-    """An obs_spec written one way, {"images": {name: (shape, np.dtype)}, "states": {...}}, from
-    any of its spellings: (shape, dtype) or [shape, dtype] (config.json) or the metadata's
-    {"shape": ..., "dtype": ...}. "<f4", "float32" and np.float32 are one dtype; [3] and (3,) one
-    shape; a group left out is empty. The flat form of old, {"state": ...}, is one line."""
+    """An obs_spec as code reads it, {"images": {name: (shape, np.dtype)}, "states": {...}}, from
+    a class's (shape, np.float32) or the [shape, "float32"] of config.json, the flag and the
+    metadata (obs_spec_as_json writes it); a group left out is empty. The flat form of old,
+    {"state": ...}, is one line."""
     if not (isinstance(spec, dict) and set(spec) <= set(GROUPS)):
         raise UsageError(f"obs_spec {spec} is flat: PlugRL's observation groups its keys, "
                          f"{{'states': {spec}}} (uint8 [h, w, c] cameras under 'images')")
-    pairs = {group: {key: (entry["shape"], entry["dtype"]) if isinstance(entry, dict) else entry
-                     for key, entry in spec.get(group, {}).items()} for group in GROUPS}
     return {group: {key: (tuple(int(size) for size in shape), np.dtype(dtype))
-                    for key, (shape, dtype) in pairs[group].items()} for group in GROUPS}
+                    for key, (shape, dtype) in spec.get(group, {}).items()} for group in GROUPS}
 
 
 def zeros_of(spec: dict, n: int) -> dict:
@@ -1413,15 +1411,28 @@ def register_env(env_id: str):
     return _registrar(ENVIRONMENTS, env_id, f"environment {env_id}")
 
 
-def _config(kind: str, configs: dict, uid: str, variant: str):
-    """A copy of the registered defaults of (uid, variant): flags never change the registry."""
-    if (uid, variant) not in configs:
-        raise KeyError(f"{kind} config {uid}/{variant} is not registered.")
-    return dataclasses.replace(configs[(uid, variant)])
+def _registered(table) -> str:
+    """'uid (variant, ...)' for every uid of a config table."""
+    uids = {uid: [variant for known, variant in table if known == uid] for uid, _ in table}
+    return ", ".join(f"{uid} ({', '.join(variants)})" for uid, variants in sorted(uids.items()))
+
+
+def _config(kind: str, configs: dict, classes: dict, uid: str, variant: str):
+    """A copy of the registered defaults of (uid, variant): flags never change the registry. None
+    registered: one line that says what to do (on the command line, status 2 as for a flag)."""
+    if (uid, variant) in configs:
+        return dataclasses.replace(configs[(uid, variant)])
+    kind = kind.lower()
+    decorator = f"@register_{'algo' if kind == 'algorithm' else kind}_config({uid!r})"
+    hint = ("" if any(known == uid for known, _ in configs) else
+            f"; {uid!r} is registered without a config: register one with {decorator}"
+            if uid in classes else f"; if {uid!r} is defined in a plug-in, add --plugin MODULE")
+    raise UsageError(f"unknown {kind} {uid!r} variant {variant!r}; known: "
+                     f"{_registered(configs)}{hint}")
 
 
 def _build(kind: str, classes: dict, configs: dict, uid: str, variant: str, config, **kwargs):
-    config = _config(kind, configs, uid, variant) if config is None else config
+    config = _config(kind, configs, classes, uid, variant) if config is None else config
     if uid not in classes:  # the page's symptom when only the config module was imported
         raise KeyError(f"{kind} {uid} is not registered.")
     return classes[uid](config=config, **kwargs)
@@ -2477,10 +2488,7 @@ def metadata_of(policy: BaseTorchPolicy, obs_spec: dict, names: tuple[str, str])
         "protocol_version": PROTOCOL_VERSION, "server": "plugrl_min", "algorithm": names[1],
         "policy": names[0], "action_horizon": policy.action_horizon,
         "action_dim": policy.action_dim, "features": [REUSE],
-        "obs_spec": {group: {key: {"shape": list(shape), "dtype": dtype.str}
-                             for key, (shape, dtype) in keys.items()}
-                     for group, keys in obs_spec.items()},
-        "num_actions": policy.num_actions}}
+        "obs_spec": obs_spec_as_json(obs_spec), "num_actions": policy.num_actions}}
 
 
 def action_message(env_ids: np.ndarray, action: np.ndarray) -> bytes:
@@ -3563,7 +3571,7 @@ def trained_policy(run_dir: str, checkpoint: str | None) -> tuple[BaseTorchPolic
         with open(os.path.join(run_dir, CONFIG)) as file:
             resolved = json.load(file)
     uid = resolved["policy"]
-    config = _choose(_POLICY_CONFIGS, _POLICIES, "policy", uid, resolved["policy_variant"])
+    config = _config("policy", _POLICY_CONFIGS, _POLICIES, uid, resolved["policy_variant"])
     policy = make_policy(uid, dataclasses.replace(config, **resolved["policy_config"]))
     if checkpoint is None:
         saved, _ = load_newest_checkpoint(run_dir)
@@ -3622,10 +3630,10 @@ def parse_eval_flags(argv: list[str]) -> argparse.Namespace:
     add("--video", metavar="DIR", help="save each episode as a video in DIR "  # [gym]
         "(gym:ENV_ID; needs moviepy)")  # [gym]
     add("--serve", action="store_true", help="serve the policy to env clients instead, on --port")
-    add("--host", default="127.0.0.1", help="with --serve (default: loopback only)")
-    add("--port", type=int, default=8000, help="with --serve (default: 8000; 0 picks a free one)")
+    add_address_flags(add)
     add_api_key_flag(add)
     args = parser.parse_args(argv)
+    args.port = 8000 if args.port is None else args.port  # no env clients of its own to start
     if args.episodes < 0 or (args.episodes == 0 and not args.serve):
         parser.error("--episodes must be at least 1 (0 only with --serve)")
     run_dir = os.path.abspath(args.run_dir)
@@ -3684,24 +3692,6 @@ def _flag_type(hint):
 
     convert.__name__ = getattr(base, "__name__", "value")  # argparse: "invalid int value: 'x'"
     return convert
-
-
-def _registered(table) -> str:
-    """'uid (variant, ...)' for every uid of a config table."""
-    uids = {uid: [variant for known, variant in table if known == uid] for uid, _ in table}
-    return ", ".join(f"{uid} ({', '.join(variants)})" for uid, variants in sorted(uids.items()))
-
-
-def _choose(configs: dict, classes: dict, kind: str, uid: str, variant: str):
-    """_config, or one line that says what to do (status 2, as for a mistyped flag)."""
-    if (uid, variant) in configs:
-        return _config(kind, configs, uid, variant)
-    decorator = f"@register_{'algo' if kind == 'algorithm' else kind}_config({uid!r})"
-    hint = ("" if any(known == uid for known, _ in configs) else
-            f"; {uid!r} is registered without a config: register one with {decorator}"
-            if uid in classes else f"; if {uid!r} is defined in a plug-in, add --plugin MODULE")
-    raise UsageError(f"unknown {kind} {uid!r} variant {variant!r}; known: "
-                     f"{_registered(configs)}{hint}")
 
 
 def field_comments(config_class) -> dict:
@@ -3783,7 +3773,8 @@ def server_main(argv: list[str], plugins: list[str] = (),
     def run(on_start):  # the run: served, or in this process without the wire
         if not args.in_process:
             return server.run(args.host, args.port, on_start)
-        env = make_env(local_env, args.local_num_envs, args.seed, args.env_kwargs)
+        env = known[1] if known and known[0] == local_env else make_env(
+            local_env, args.local_num_envs, args.seed, args.env_kwargs)
         return run_in_process(server, MultiAction(env), on_start)
 
     if background or in_a_notebook():  # [notebook] the server on a thread of its own
@@ -3815,8 +3806,8 @@ def parse_server_flags(argv: list[str]) -> tuple[list[str], argparse.Namespace, 
               f"algorithms: {_registered(_ALGO_CONFIGS)}\n"
               f"environments (env-client, --local-env): {known_envs()}")
         raise SystemExit(0 if {"-h", "--help"} & set(argv) else 2)
-    configs = {"policy": _choose(_POLICY_CONFIGS, _POLICIES, "policy", *words[:2]),
-               "algo": _choose(_ALGO_CONFIGS, _ALGOS, "algorithm", *words[2:])}
+    configs = {"policy": _config("policy", _POLICY_CONFIGS, _POLICIES, *words[:2]),
+               "algo": _config("algorithm", _ALGO_CONFIGS, _ALGOS, *words[2:])}
     parser = argparse.ArgumentParser(prog=f"python plugrl_min.py {' '.join(words)}",
                                      description="Serve this policy and algorithm over WebSocket.")
     for prefix, config in configs.items():  # --policy.hidden-size, --algo.global-steps, ...
@@ -3891,11 +3882,16 @@ def add_api_key_flag(add) -> None:
         "(default: $PLUGRL_API_KEY; empty: none)")
 
 
+def add_address_flags(add) -> None:
+    """Where a server listens: a run's, or eval --serve's."""
+    add("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    add("--port", type=int, help="0 picks a free port, printed at start (default: 8000; a free "
+        "one when the command starts its own env clients, --local-env-clients)")
+
+
 def add_server_flags(add) -> None:
     """The server's own flags, beside the configs' (add: parser.add_argument)."""
-    add("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    add("--port", type=int, help="0 picks a free port, printed at start (default: 8000; with "
-        "--local-env-clients, a free port)")
+    add_address_flags(add)
     add("--run-dir", help="a new folder for checkpoints and metrics, or with --resume the run to "
         "continue (default: runs/ALGO[-ENV][-seedN]-TIME; ENV with --local-env-clients or "
         "--in-process)")
@@ -3934,12 +3930,14 @@ def add_server_flags(add) -> None:
 
 def known_environment(args: argparse.Namespace, words: list[str]) -> tuple[str, VecEnv] | None:
     """The environment the server knows before it builds the policy, made once: --local-env,
-    else the algorithm's example_env; None if neither. An unknown one is a usage error."""
+    else the algorithm's example_env; None if neither. An unknown one is a usage error. With
+    --in-process it is the one the run trains on: --local-num-envs of it, seeded by --seed."""
     example = getattr(_ALGOS.get(words[2]), "example_env", None)
     env_id = args.local_env or (example if example in ENVIRONMENTS else None)  # a block cut
     if env_id is None:
         return None
-    env = make_env(env_id, kwargs=args.env_kwargs)
+    size, seed = (args.local_num_envs, args.seed) if args.in_process else (1, None)
+    env = make_env(env_id, size, seed, args.env_kwargs)
     try:  # the flat form of old, said here, where the environment has a name
         obs_spec_of(env.obs_spec)
     except UsageError as error:

@@ -709,7 +709,7 @@ def metadata_message(**fields) -> dict:
     """The metadata a server sends first, dummy-policy's (obs [3], one continuous action); fields replace."""
     data = {"protocol_version": 1, "server": "plugrl_min", "action_dim": 1, "num_actions": None,
             "action_horizon": 1, "features": [],
-            "obs_spec": {"images": {}, "states": {"state": {"shape": [3], "dtype": "<f4"}}}}
+            "obs_spec": {"states": {"state": [[3], "float32"]}}}
     return {"message_type": "metadata", "data": {**data, **fields}}
 
 
@@ -1379,7 +1379,7 @@ def test_the_metadata_is_a_data_map_of_the_specs_keys_and_this_servers_own(tmp_p
         "features": ["reuse-feedback-obs"]}
     assert (data["policy"], data["algorithm"]) == ("dummy-policy", "probe")  # the names run_server serves under
     assert data["num_actions"] is None
-    assert data["obs_spec"] == {"images": {}, "states": {"state": {"shape": [3], "dtype": "<f4"}}}
+    assert data["obs_spec"] == {"states": {"state": [[3], "float32"]}}  # as config.json and --policy.obs-spec spell it
 
 
 @wire
@@ -6462,21 +6462,21 @@ class TwoKeys(plugrl_min.VecEnv):
 
 
 def test_a_client_that_gives_more_keys_than_the_policy_reads_fits_it():
-    metadata = metadata_message(obs_spec={"images": {}, "states": {"state": {"shape": [2], "dtype": "<f4"}}})
+    metadata = metadata_message(obs_spec={"states": {"state": [[2], "float32"]}})
     plugrl_min.check_metadata(metadata, MultiAction(TwoKeys(2)), closed_loop=False)  # the picture is extra
 
 
 def test_a_client_that_lacks_a_key_the_policy_reads_stops_naming_it():
-    metadata = metadata_message(obs_spec={"images": {"wrist": {"shape": [16, 16, 3], "dtype": "|u1"}},
-                                          "states": {"state": {"shape": [2], "dtype": "<f4"}}})
+    metadata = metadata_message(obs_spec={"images": {"wrist": [[16, 16, 3], "uint8"]},
+                                          "states": {"state": [[2], "float32"]}})
     with pytest.raises(plugrl_min.CommandError, match=r"observation images.wrist: the policy reads uint8 \[16, 16, 3\], "
                                                       r"this environment gives nothing"):
         plugrl_min.check_metadata(metadata, MultiAction(TwoKeys(2)), closed_loop=False)
 
 
 def test_a_client_whose_observation_shape_differs_names_the_key_and_both_shapes():
-    metadata = metadata_message(obs_spec={"images": {"image": {"shape": [16, 16, 3], "dtype": "|u1"}},
-                                          "states": {"state": {"shape": [3], "dtype": "float32"}}})
+    metadata = metadata_message(obs_spec={"images": {"image": [[16, 16, 3], "uint8"]},
+                                          "states": {"state": [[3], "float32"]}})
     with pytest.raises(plugrl_min.CommandError, match=r"observation states.state: the policy reads float32 \[3\], this "
                                                       r"environment gives float32 \[2\]"):
         plugrl_min.check_metadata(metadata, MultiAction(TwoKeys(2)), closed_loop=False)
