@@ -329,9 +329,7 @@ async def train_in_process(server: Server, executor: MultiAction) -> None:
         if await learn_and_save(server):
             return
         server.record.show_progress(server)
-        done = terminated | truncated
-        if done.any():
-            executor.reset(np.flatnonzero(done))  # new episodes, for the next infer
+        executor.reset_finished(terminated, truncated)  # new episodes, for the next infer
         obs = executor.obs
 
 
@@ -2934,6 +2932,13 @@ class MultiAction:
         self.obs = self.env.reset(indices)
         return self.obs
 
+    def reset_finished(self, terminated: np.ndarray, truncated: np.ndarray) -> np.ndarray:
+        """New episodes where the last decision ended one, for the next: its done mask [n]."""
+        done = terminated | truncated
+        if done.any():
+            self.reset(np.flatnonzero(done))
+        return done
+
     def step(self, action) -> tuple:
         """Execute one chunk: (obs, reward, terminated, truncated, info) of the whole decision."""
         chunk = np.asarray(action)
@@ -3014,6 +3019,12 @@ class ClosedLoopMultiAction(MultiAction):
         return self.execute_decision(self.steps, physical_action)
 
 
+def finished_returns(info: dict) -> list[float]:
+    """The returns of the episodes a decision ended: info["episode"]'s r where its mask is set."""
+    episode = info["episode"]
+    return episode["r"][episode["mask"]].tolist()
+
+
 def check_metadata(meta: dict, executor, closed_loop: bool) -> None:
     """Stop with a clear message when the server's policy cannot act in this environment. What
     the metadata's data leaves out is not checked: a PlugRL server need not say it (SPEC 5.1)."""
@@ -3087,8 +3098,7 @@ async def run_episodes(ws, executor, num_episodes: int, tally: dict, reuse_obs=T
         if closed_loop:
             action = action[:, 0]  # one decision [n, decision_dim]
         obs, reward, terminated, truncated, info = executor.step(action)
-        episode = info["episode"]
-        tally["returns"] += episode["r"][episode["mask"]].tolist()
+        tally["returns"] += finished_returns(info)
         tally["env_steps"] += int(info["executed_steps"].sum())  # the client's count, not sent
         tally["decisions"] += len(env_indices)
         feedback = {"message_type": "feedback", "env_indices": env_indices, "step_ids": step_ids,
@@ -3097,10 +3107,8 @@ async def run_episodes(ws, executor, num_episodes: int, tally: dict, reuse_obs=T
         frame = pack_message(feedback)  # its bytes: the observations the episodes ended on
         # Reset what finished before the send: the next infer starts the new episodes, and a
         # connection lost in the send leaves no finished environment to be stepped again.
-        done = terminated | truncated
+        done = executor.reset_finished(terminated, truncated)
         step_ids = np.where(done, 0, step_ids + 1)
-        if done.any():
-            executor.reset(np.flatnonzero(done))
         if num_episodes and len(tally["returns"]) >= num_episodes:  # 0: until the run ends
             await ws.send(frame)
             return
@@ -3518,11 +3526,9 @@ def evaluate(policy: BaseTorchPolicy, env: VecEnv, episodes: int, greedy: bool) 
     returns = []
     while len(returns) < episodes:
         _, _, terminated, truncated, info = executor.step(act(policy, executor.obs, greedy))
-        episode = info["episode"]
-        returns += episode["r"][episode["mask"]].tolist()
-        done = terminated | truncated
-        if done.any() and len(returns) < episodes:  # no episode begun that is not played
-            executor.reset(np.flatnonzero(done))
+        returns += finished_returns(info)
+        if len(returns) < episodes:  # no episode begun that is not played
+            executor.reset_finished(terminated, truncated)
     return returns[:episodes]
 
 
