@@ -1791,12 +1791,12 @@ def finish_run(server, code: int, reason: str, status: int) -> int:
     record.close()
     if server.ranks is not None:  # [ranks] told last: no dead rank holds a client
         status = server.ranks.stop(status)  # [ranks]
+    server.ended = status  # before the lines below: a Ctrl-C that follows them finds it ended
     print(f"\n{reason}: global step {server.global_step}, {server.version} learns", flush=True)
     if not server.frames:
         print("no frame was served: no checkpoint or metrics line was written", flush=True)
     elif code == 1001:  # [report]
         print(report([server.run_dir]), flush=True)  # [report]
-    server.ended = status
     return status
 
 
