@@ -313,11 +313,11 @@ async def train_in_process(server: Server, executor: MultiAction) -> None:
     ends on the same weights, byte for byte: the wire changes nothing."""
     n = executor.env.num_envs
     slots = [EnvSlot() for _ in range(n)]  # each environment's last frame: its flags, prev_node
-    obs = executor.reset()
+    executor.reset()
     while True:
         # infer() once for every environment, then derive_train_state(); each environment's row
         # of the batch is its step state, which its frame is stored with.
-        batch = server.infer_batch(obs, n)
+        batch = server.infer_batch(executor.obs, n)
         next_obs, reward, terminated, truncated, info = executor.step(batch.action)
         feedback = {"obs": next_obs, "rewards": reward, "terminated": terminated,
                     "truncated": truncated, "info": episode_info(info)}  # what a client sends
@@ -330,7 +330,6 @@ async def train_in_process(server: Server, executor: MultiAction) -> None:
             return
         server.record.show_progress(server)
         executor.reset_finished(terminated, truncated)  # new episodes, for the next infer
-        obs = executor.obs
 
 
 async def learn_and_save(server: Server) -> bool:
@@ -363,12 +362,11 @@ def route_feedback(server: Server, frames: list[Frame], client: int = 1) -> None
             server.discarded += 1
         else:
             # terminated/truncated: how the slot's previous frame ended; next_*: this one.
-            batch = step.batch
+            obs, runtime_state, train_state = step.batch.row(step.row)
             node, server.global_step, log = algo.feedback(
-                obs=batch.obs[step.row], runtime_state=batch.runtime_state[step.row],
-                train_state=batch.train_state[step.row], terminated=slot.terminated,
-                truncated=slot.truncated, next_obs=frame.next_obs, reward=frame.reward,
-                info=frame.info, next_terminated=frame.next_terminated,
+                obs=obs, runtime_state=runtime_state, train_state=train_state,
+                terminated=slot.terminated, truncated=slot.truncated, next_obs=frame.next_obs,
+                reward=frame.reward, info=frame.info, next_terminated=frame.next_terminated,
                 next_truncated=frame.next_truncated, prev_node=slot.prev_node)
             if log:
                 server.record.add(log)
@@ -413,9 +411,15 @@ class InferBatch:
     version: int  # the policy version that acted: learns so far
     sent_at: float  # the serving clock when its actions were sent: each one's feedback is due
     action: np.ndarray  # [n, action_horizon, action_dim]
-    obs: list  # [n] the observation each action was chosen for: images, states and text
-    runtime_state: list  # [n] each environment's row of the runtime state
-    train_state: list  # [n] each environment's row of derive_train_state(runtime_state)
+    batched: tuple  # (obs, runtime_state, train_state) as infer gave them, each [n, ...]
+    rows: list | None = None  # [n] each environment's (obs, runtime_state, train_state): row()
+
+    def row(self, i: int) -> tuple:
+        """Environment i's (obs, runtime_state, train_state): the batch is cut once, after the sends
+        (cut in infer_batch, the plain form, 8 clients ran at a median 0.93 of the floor: 1.16)."""
+        if self.rows is None:
+            self.rows = list(zip(*(split_rows(tree, len(self.action)) for tree in self.batched)))
+        return self.rows[i]
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -609,9 +613,8 @@ class Server:
                 await request.conn.ws.send(reply)
 
     def infer_batch(self, obs: dict, n: int) -> InferBatch:
-        """infer(obs) for n environments, then derive_train_state: an InferBatch, each of its
-        fields cut into every environment's row (views, not copies; a 1-d field's row is a Python
-        number). An infer for no environment is answered without the algorithm."""
+        """infer(obs) for n environments, then derive_train_state: an InferBatch. An infer for no
+        environment is answered without the algorithm."""
         policy = self.algo.policy
         dtype = np.float32 if policy.num_actions is None else np.int64  # as the wire sends it
         action, runtime_state, train_state = np.zeros((0, *policy.action_shape), dtype), None, None
@@ -624,8 +627,7 @@ class Server:
             train_state = self.algo.derive_train_state(runtime_state)
             self.record.count_batch(n)  # for server/mean_batch_size
         return InferBatch(version=self.version, sent_at=serving_clock(self), action=action,
-                          obs=split_rows(obs, n), runtime_state=split_rows(runtime_state, n),
-                          train_state=split_rows(train_state, n))
+                          batched=(obs, runtime_state, train_state))
 
     async def learn_once(self) -> None:
         """pre_learn, learn() in the learn thread, post_learn; messages queue, none is answered."""
