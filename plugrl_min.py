@@ -415,8 +415,8 @@ class InferBatch:
     rows: list | None = None  # [n] each environment's (obs, runtime_state, train_state): row()
 
     def row(self, i: int) -> tuple:
-        """Environment i's (obs, runtime_state, train_state): the batch is cut once, after the sends
-        (cut in infer_batch, the plain form, 8 clients ran at a median 0.93 of the floor: 1.16)."""
+        """Environment i's (obs, runtime_state, train_state), all cut at the first routing. Plain
+        form: cut in infer_batch, before the sends (8 clients ran 0.93 of the floor, not 1.16)."""
         if self.rows is None:
             self.rows = list(zip(*(split_rows(tree, len(self.action)) for tree in self.batched)))
         return self.rows[i]
