@@ -569,8 +569,8 @@ class Server:
         steps = [slot and slot.step for slot in slots]  # None: no step state, nothing stored
         data = message["data"]
         done = (data["terminated"] | data["truncated"]).tolist()
-        for row, (slot, step) in enumerate(zip(slots, steps)):
-            if step is not None:  # its observation is kept for a reuse, unless it ended an episode
+        for row, slot in enumerate(slots):  # a reuse takes the last feedback's row, stored or not
+            if slot is not None:  # (SPEC 10.1), and none once it ended an episode
                 slot.step, slot.fed = None, None if done[row] else (data["obs"], row)
         frames = frames_of(env_ids, slots, steps, data)
         return FeedbackMessage(conn, [frame for frame in frames if frame.step is not None])
@@ -3892,7 +3892,7 @@ def add_api_key_flag(add) -> None:
 
 def add_address_flags(add) -> None:
     """Where a server listens: a run's, or eval --serve's."""
-    add("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    add("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
     add("--port", type=int, help="0 picks a free port, printed at start (default: 8000; a free "
         "one when the command starts its own env clients, --local-env-clients)")
 
@@ -3925,14 +3925,14 @@ def add_server_flags(add) -> None:
         help=f"a larger frame closes its connection (1009) (default: {MAX_MESSAGE_BYTES})")
     add("--max-envs-per-client", type=int, default=ServerConfig.max_envs_per_client,
         metavar="N", help="environments one connection may use: one client cannot hold the "
-        "loop (default: 4096)")
+        f"loop (default: {ServerConfig.max_envs_per_client})")
     add("--learn-threads", type=int, metavar="N", help="torch threads per learn "  # [learn-threads]
         "(default: one per core other processes leave idle)")  # [learn-threads]
     add("--trace", type=int, default=0, metavar="N",  # [trace]
         help="narrate the first N frames and learns (default: 0)")  # [trace]
     add("--feedback-timeout", type=float, default=ServerConfig.feedback_timeout, metavar="S",
         help="seconds of serving an environment may owe feedback for an action, also the ping "
-        "interval (default: 60)")
+        f"interval (default: {ServerConfig.feedback_timeout:g})")
     add_api_key_flag(add)
 
 

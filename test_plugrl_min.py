@@ -1215,7 +1215,8 @@ def serving_dummy_v1(hold_at=None, hold=0.0, closes=None, padding=0, text_at=Non
                      seen=None, features=("reuse-feedback-obs",), reuses=None, obs_spec=True, sizes=None):
     """A handler that answers dummy-v1's infers with zeros (its episodes last 50 decisions): it holds its loop
     for `hold` s before decision `hold_at`, sends a text frame at decision `text_at`, closes 1000 when
-    `done_at` decisions were answered (and 1001 plugrl-server-resync when connection k's resync_at[k] were),
+    `done_at` decisions were answered (and 1001 plugrl-server-resync when connection k's resync_at[k] were; 0:
+    at its first infer),
     pads the metadata with `padding` bytes, appends how the client closed (code, reason) to `closes`, and
     each connection's list of the message types it got to `seen`, and of each message's reuse (an infer's,
     None without one) or done flags (a feedback's) to `reuses`. `features`: what its metadata lists; without
@@ -1247,6 +1248,9 @@ def serving_dummy_v1(hold_at=None, hold=0.0, closes=None, padding=0, text_at=Non
                                   else ("feedback", (data["terminated"] | data["truncated"]).tolist()))
                 if message["message_type"] != "infer":
                     continue
+                if index < len(resync_at) and resync_at[index] == 0:
+                    await ws.close(*RESYNC)  # its first infer refused: no action on this connection
+                    break
                 if decisions == text_at:
                     await ws.send("Traceback (most recent call last): ...")
                 if decisions == hold_at:
@@ -1306,23 +1310,26 @@ def test_the_env_client_exits_0_without_reconnecting_when_the_server_closes_1000
 
 @wire
 def test_on_a_resync_the_env_client_reconnects_drops_the_feedback_it_held_and_starts_again_with_an_infer(capsys):
-    seen = []
-    with ServerThread(serving_dummy_v1(resync_at=[3], seen=seen)) as server:
+    seen, reuses = [], []
+    with ServerThread(serving_dummy_v1(resync_at=[3], seen=seen, reuses=reuses)) as server:
         status = env_client_against(server, "--num-episodes", "1")
     out, err = capsys.readouterr()
     assert status == 0 and out.startswith("done | episodes 1 "), (out, err)
     assert err == "the server asked for a resync (its output says why); reconnecting\n"
     assert seen[0] == ["infer", "feedback"] * 2 + ["infer"]  # the third action's feedback never came
     assert len(seen) == 2 and seen[1][:2] == ["infer", "feedback"]
+    assert reuses[2] == ("infer", [True]) and reuses[5] == ("infer", None)  # whole on the new connection
 
 
+@pytest.mark.parametrize("actions", [0, 1])
 @wire
-def test_an_env_client_resynced_three_times_in_a_row_each_after_one_action_gives_up_with_exit_1(capsys):
+def test_an_env_client_resynced_three_times_in_a_row_each_after_one_action_or_none_gives_up_with_exit_1(
+        capsys, actions):
     seen = []
-    with ServerThread(serving_dummy_v1(resync_at=[1] * 10, seen=seen)) as server:
+    with ServerThread(serving_dummy_v1(resync_at=[actions] * 10, seen=seen)) as server:
         status = env_client_against(server, "--num-episodes", "0")
     err = capsys.readouterr().err
-    assert status == 1 and len(seen) == 3, err
+    assert status == 1 and seen == [["infer"]] * 3, (seen, err)  # closed after its one action, or instead
     assert err.endswith("env-client: the server refused this client's messages 3 times in a row "
                         "(1001 plugrl-server-resync): its output or log says why\n")
 
@@ -1518,6 +1525,25 @@ def test_a_reuse_of_an_observation_the_server_does_not_hold_closes_for_a_resync(
     assert refusal == Refusal(None, *RESYNC)
     [(_, why, _)] = resyncs_logged(capsys.readouterr().err)
     assert why == "infer.reuse: environment 0 has no observation to reuse on this connection"
+
+
+@pytest.mark.parametrize("ended", [False, True], ids=["its row", "none after its episode ended"])
+@wire
+def test_a_reuse_takes_the_row_of_the_last_feedback_that_named_the_environment_even_one_not_stored(
+        tmp_path, capsys, ended):
+    async def script(port, server):
+        client = await Client.connect(port)
+        await client.step([0], [10])
+        await client.infer([1], [11])
+        await client.feedback([0, 1], [20, 21], terminated=[ended, False])  # env 0 owed none: not stored
+        await client.ws.send(pack_message(reusing_infer([0, 1], [True, True], [])))
+        return await (refusal_of(client.ws) if ended else client.receive())
+
+    _, reply = run_server(Probe(), tmp_path, script)
+    if ended:  # that row ended the episode: there is nothing to reuse
+        assert reply == Refusal(None, *RESYNC) and len(resyncs_logged(capsys.readouterr().err)) == 1
+    else:
+        assert actions_of(reply)[:, 0, 0].tolist() == [20.0, 21.0]
 
 
 @contract
@@ -2098,7 +2124,7 @@ def test_an_algorithm_that_raises_in_learn_exits_1_and_its_client_exits_saying_t
         server_status = server.wait(60)
     assert server_status == 1, server.stdout() + server.stderr()
     assert "Traceback" in server.stderr() and "RuntimeError: deliberate failure in learn_impl" in server.stderr()
-    assert client_status != 0 and f"the server failed (1011 {hook_failed('RuntimeError')[1]})" in capsys.readouterr().err
+    assert client_status == 1 and f"the server failed (1011 {hook_failed('RuntimeError')[1]})" in capsys.readouterr().err
     assert checkpoint_steps(run_dir) == []
 
 
@@ -4774,8 +4800,8 @@ def test_a_resumed_run_counts_its_learns_frames_and_time_on_from_its_checkpoint(
 # =============================================================================================
 # 13. Clients: their messages checked, how long they may owe feedback, who may connect
 # =============================================================================================
-# Bad input costs only its sender: an error message, then that connection alone is closed (1008; 1009
-# for a frame too big). The feedback timeout and the API key, each under its own heading.
+# Bad input costs only its sender: that connection alone is closed for a resync, 1001 plugrl-server-resync,
+# no message first (1009 for a frame too big). The feedback timeout and the API key, each under its own heading.
 
 # --- Every field of every client message: wrong dtype, wrong shape, missing -----------------------
 
@@ -5060,7 +5086,8 @@ def pick(rng, options):
 
 
 # Every kind of malformed frame: make(rng) -> (prelude, frame). With prelude, the connection first makes a valid
-# infer for env 0 and reads its action (some faults only exist after an action). A str frame goes as a text frame.
+# infer for env 0 and reads its action (some faults only exist after an action); with "fed", it sends that
+# action's feedback too. A str frame goes as a text frame.
 MALFORMED = {}
 
 
@@ -5233,6 +5260,16 @@ def _(rng):
     return True, pack_message(infer_message(pick(rng, [(0,), (0, 1), (1, 0)])))
 
 
+@malformed("two feedbacks in a row")
+def _(rng):
+    return "fed", pack_message(feedback_message())
+
+
+@malformed("more environments than --max-envs-per-client")
+def _(rng):
+    return False, pack_message(infer_message(list(range(FUZZ_MAX_ENVS + int(rng.integers(1, 32))))))
+
+
 @malformed("bad reward, flags or info")
 def _(rng):
     change = pick(rng, [
@@ -5263,8 +5300,9 @@ def _(rng):
 RESYNCED = "close {} {}".format(*RESYNC)  # what outcome_of says of a message the server refused
 TOO_BIG_A_FRAME = f"close {TOO_BIG} (frame too big)"  # and of a frame over its size limit
 EXPECTED = collections.defaultdict(lambda: RESYNCED, {"oversized frame": TOO_BIG_A_FRAME})
-FUZZ_PER_KIND = 80  # 28 kinds: 2,240 malformed frames
+FUZZ_PER_KIND = 80  # 30 kinds: 2,400 malformed frames
 FUZZ_MAX_BYTES = 256 * 1024
+FUZZ_MAX_ENVS = 8  # --max-envs-per-client
 FUZZ_BATCH = 60  # bad connections open at once
 
 
@@ -5281,7 +5319,7 @@ async def outcome_of(ws) -> str:
 
 
 async def one_bad_connection(port, kind, rng) -> str:
-    """Connect, read the metadata, (maybe) make one valid decision, send one bad frame: the outcome."""
+    """Connect, read the metadata, (maybe) make one valid decision (and feed it back), send one bad frame: the outcome."""
     prelude, frame = MALFORMED[kind](rng)
     try:
         ws = await connect(f"ws://127.0.0.1:{port}", compression=None, proxy=None, open_timeout=10, max_size=None)
@@ -5295,6 +5333,8 @@ async def one_bad_connection(port, kind, rng) -> str:
             if reply.get("message_type") != "action":
                 await ws.close()
                 return "prelude refused"
+        if prelude == "fed":
+            await ws.send(pack_message(feedback_message()))
         try:
             await ws.send(frame)
         except websockets.ConnectionClosed:
@@ -5355,15 +5395,17 @@ def test_fuzz_every_kind_of_malformed_frame_closes_its_connection_for_a_resync_w
             await still_serving.close()
         return fed, closed_by_server
 
-    status, (fed, closed_by_server) = run_server(algo, tmp_path, script, max_message_bytes=FUZZ_MAX_BYTES)
+    status, (fed, closed_by_server) = run_server(algo, tmp_path, script, max_message_bytes=FUZZ_MAX_BYTES,
+                                                 max_envs_per_client=FUZZ_MAX_ENVS)
     reasons = [why for _, why, _ in resyncs_logged(capsys.readouterr().err)]
     table = format_table(tried, reasons, fed)
     print("\n" + table)  # shown with pytest -s: the malformed frames tried, by kind, and what each produced
     tags = collections.Counter(float(frame["runtime_state"]["tag"]) for frame in algo.frames)
-    assert sum(sum(counter.values()) for counter in tried.values()) >= 2000
+    assert sum(sum(counter.values()) for counter in tried.values()) >= 2400
     assert closed_by_server is None and status == 0  # the server ran until it was asked to stop
     assert {kind: dict(counter) for kind, counter in tried.items() if set(counter) != {EXPECTED[kind]}} == {}
-    assert tags == {1.0: fed // 2, 2.0: fed // 2, 3.0: 1}  # every good frame was fed; no bad one got through
+    # Every good frame was fed, a valid first feedback of "two feedbacks in a row" too; no bad one got through.
+    assert tags == {1.0: fed // 2, 2.0: fed // 2, 3.0: 1, BAD_TAG: FUZZ_PER_KIND}
     assert len(reasons) == sum(counter[RESYNCED] for counter in tried.values())  # each resync, and why, in the log
 
 
@@ -5485,6 +5527,32 @@ def test_a_client_at_or_under_the_cap_infers_the_environments_it_holds_again_and
 
 
 # --- The feedback timeout: a client silent too long is dropped, one waiting on a learn is kept ----
+
+@wire
+def test_the_server_closes_no_connection_for_a_missing_pong_so_a_client_held_in_a_slow_step_keeps_it(
+        monkeypatch, tmp_path):
+    # websockets' keepalive (a ping every 20 s; no pong within 20 s closes the connection) scaled to 0.1 s each:
+    # a client held 1.5 s in a slow env.step stands for a simulator stepping for minutes. The server pings
+    # (NATs keep the connection) but must set no ping timeout; left at websockets' own, it closes 1011 in the hold.
+    real = plugrl_min.websockets_serve
+    scaled = lambda *args, **kwargs: real(*args, **{"ping_timeout": 0.1, **kwargs, "ping_interval": 0.1})
+    monkeypatch.setattr(plugrl_min, "websockets_serve", scaled)
+
+    async def slow_client(port):  # run on a thread of its own: held, its loop answers no ping
+        client = await Client.connect(port)
+        await client.infer([0], [1])
+        time.sleep(1.5)  # the loop held, as a blocking env.step holds it
+        await client.feedback([0], [1])
+        reply = await client.infer([0], [2])
+        await client.close()
+        return reply
+
+    async def script(port, server):
+        return await asyncio.to_thread(asyncio.run, slow_client(port))
+
+    status, reply = run_server(Probe(), tmp_path, script)
+    assert status == 0 and len(actions_of(reply)) == 1
+
 
 @wire
 def test_a_client_silent_after_an_action_is_dropped_after_the_feedback_timeout_and_others_carry_on(tmp_path):
@@ -6674,10 +6742,19 @@ def parsers_of_every_command(monkeypatch) -> dict:
 def test_every_flag_with_a_default_says_it_in_its_help(monkeypatch):
     parsers = parsers_of_every_command(monkeypatch)
     assert sorted(parsers) == ["env-client", "eval", "report", "server"]
+    def said(action):  # its own value, as the code sets it: "(default: 60)" for 60.0
+        value = format(action.default, "g" if isinstance(action.default, float) else "")
+        return re.search(rf"default: {re.escape(value)}\b", action.help or "")
+
     silent = [f"{command} {action.option_strings[0]}" for command, parser in parsers.items()
               for action in parser._actions if action.option_strings and action.default not in (None, False)
-              and action.default is not argparse.SUPPRESS and "default" not in (action.help or "")]
+              and action.default is not argparse.SUPPRESS and not said(action)]
     assert silent == []
+
+
+def test_the_feedback_timeout_is_60_seconds_by_default_as_plugrl_s_servers_wait(monkeypatch):
+    server_flags = parsers_of_every_command(monkeypatch)["server"]
+    assert plugrl_min.ServerConfig().feedback_timeout == server_flags.get_default("feedback_timeout") == 60.0
 
 
 def test_help_lists_the_builtin_policy_and_algorithm():
