@@ -1777,7 +1777,9 @@ def run_queued_clients(run_dir):
         return reply
 
     async def release_once_every_infer_waits(server):
-        await eventually(lambda: len(server.inbox) == len(tag_sets), timeout=60)  # queued while learn() runs
+        # Each client's infer queued while learn() runs; the feedbacks before them may still be queued too.
+        infers = lambda: sum(isinstance(item, plugrl_min.InferRequest) for item in server.inbox)
+        await eventually(lambda: infers() == len(tag_sets), timeout=60)
         algo.released.set()
 
     async def script(port, server):
