@@ -3894,7 +3894,7 @@ def add_address_flags(add) -> None:
     """Where a server listens: a run's, or eval --serve's."""
     add("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
     add("--port", type=int, help="0 picks a free port, printed at start (default: 8000; a free "
-        "one when the command starts its own env clients, --local-env-clients)")
+        "one when a run starts its own env clients)")
 
 
 def add_server_flags(add) -> None:
