@@ -1013,8 +1013,9 @@ def _pack(value, out: list, depth: int) -> None:
         out.append(_head(len(value), *_ARRAY))
         for item in value:
             _pack(item, out, depth + 1)
-    elif isinstance(value, np.generic):
-        _pack(_openpi_map(value), out, depth)
+    elif isinstance(value, np.generic):  # openpi's numpy scalar
+        dtype = _sendable(value.dtype)
+        _pack({b"__npgeneric__": True, b"data": value.item(), b"dtype": dtype}, out, depth)
     else:
         raise ProtocolError(f"cannot send a {type(value).__name__}: a message holds dicts, "
                             "lists, str, bytes, numbers, bools, None and numpy arrays")
@@ -1038,20 +1039,12 @@ def _sendable(dtype: np.dtype) -> str:
     return dtype.str
 
 
-def _openpi_map(value: np.ndarray | np.generic) -> dict:
-    _sendable(value.dtype)
-    if isinstance(value, np.generic):
-        return {b"__npgeneric__": True, b"data": value.item(), b"dtype": value.dtype.str}
-    return {b"__ndarray__": True, b"data": value.tobytes(), b"dtype": value.dtype.str,
-            b"shape": value.shape}  # tobytes: C order, whatever the view
-
-
 _NDARRAY = b"\x84\xc4\x0b__ndarray__\xc3\xc4\x04data"  # an array's map, up to its data's bytes
 _AFTER_DATA = {}  # (typestr, shape) -> the map's last two entries: dtype and shape
 
 
 def _pack_array(array: np.ndarray, out: list) -> None:
-    # What _pack(_openpi_map(array)) writes, the plain form, with the parts that do not change
+    # openpi's array map, {__ndarray__, data, dtype, shape}, with the parts that do not change
     # from one message to the next written once (a step packs a dozen arrays), and the data of a
     # C-ordered array joined from the array itself: one copy of a camera frame, not two.
     key = (array.dtype.str, array.shape)
@@ -2552,17 +2545,15 @@ def check_message(message: dict, obs_spec: dict) -> tuple[str, list]:
 def check_outcome(data: dict, n: int) -> None:
     """A feedback's rewards [m] (each decision's sum), flags and info: split per environment by
     SPEC 5.4's rule, each array [m, ...], a number or a str beside them given to every one."""
-    rewards = data.get("rewards", MISSING)
-    if not is_array(rewards, "f", (n,)):
-        raise mismatch("feedback.data.rewards", f"float [m] with m = {n}", rewards)
-    for name in ("terminated", "truncated"):
-        flags = data.get(name, MISSING)
-        if not is_array(flags, "b", (n,)):
-            raise mismatch(f"feedback.data.{name}", f"bool [m] with m = {n}", flags)
+    for name, kinds, dtype in (("rewards", "f", "float"), ("terminated", "b", "bool"),
+                               ("truncated", "b", "bool")):
+        value = data.get(name, MISSING)
+        if not is_array(value, kinds, (n,)):
+            raise mismatch(f"feedback.data.{name}", f"{dtype} [m] with m = {n}", value)
     info = data.get("info", {})
     if not isinstance(info, dict):
         raise mismatch("feedback.data.info", "a map, {} for nothing", info)
-    finite = {"feedback.data.rewards": rewards}  # what the algorithm stores them as: float32
+    finite = {"feedback.data.rewards": data["rewards"]}  # the algorithm stores them as float32
     if "episode" in info:
         episode = info["episode"]
         if not isinstance(episode, dict):
