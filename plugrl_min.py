@@ -2143,8 +2143,7 @@ def serve_as_learner(algo: DDPAlgorithm, ranks: Ranks) -> int:
 # ===== [trace] --trace N: the contract, watched as it runs =====
 # PlugRL page: the routing rule and prev_node, narrated for the first N frames and their learns.
 
-def trace_frame(server: Server, client: int, frame: Frame, node: tuple,
-                reason: str | None) -> None:
+def trace_frame(server: Server, client: int, frame: Frame, node: tuple, reason: str | None) -> None:
     """One line on one frame of the first N, from its infer batch to where its feedback went
     (reason: discard_reason's)."""
     if server.trace_left <= 0:
