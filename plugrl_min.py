@@ -337,8 +337,7 @@ async def learn_and_save(server: Server) -> bool:
     if should_save() or should_stop(). True once the run stops (or a signal asked it to)."""
     # No inference while should_learn() is true: learn() changes the weights infer() reads, and an
     # action drawn now would come from a policy about to be replaced (an on-policy learner would
-    # only discard its frame). While it stays true, learn again: the page's symptom if it never
-    # turns false.
+    # discard its frame). Learn while it stays true: the page's symptom if it never turns false.
     while server.algo.should_learn() and not server.stop_requested:
         await server.learn_once()
     # Once a pass, after its learns (none between back-to-back learns): stop, save.
@@ -529,9 +528,8 @@ class Server:
             ticker = asyncio.create_task(tick(self.wake))
             code, reason, status = await run_to_the_end(self, self.control_loop())
             ticker.cancel()
-            # Stop accepting first, then close every open connection as PlugRL's servers do, the
-            # newest too; a handshake still in progress is refused (HTTP 503). The printed end
-            # line says why (finish_run).
+            # Stop accepting, then close every open connection as PlugRL's servers do, the newest
+            # too; a handshake in progress is refused (HTTP 503). finish_run prints why it ended.
             server.close(code=code, reason=SERVER_STOP if code == 1001 else INTERNAL_ERROR)
             await server.wait_closed()
         return finish_run(self, code, reason, status)
@@ -1184,8 +1182,7 @@ _AN_ARRAY = object()  # where an array goes in the message of a layout
 
 
 def unpack_message(frame: bytes) -> dict:
-    """One binary frame's msgpack map. Its arrays are read-only views of the frame: copy one to
-    change it."""
+    """A binary frame's msgpack map. Its arrays are read-only views of the frame: copy to change."""
     if not isinstance(frame, (bytes, bytearray, memoryview)):
         raise ProtocolError("expected a binary frame, got a text frame", "send binary frames")
     view = memoryview(frame).toreadonly()  # from a bytearray too, the arrays stay read-only
@@ -1508,8 +1505,7 @@ class DummyPolicyConfig:
 
 @register_policy("dummy-policy")
 class DummyPolicy(BaseTorchPolicy):
-    """A tanh-Gaussian MLP on ObsEncoder's features: actions in [-1, 1]. The actor of sac (through
-    sample()) and of pg."""
+    """A tanh-Gaussian MLP on ObsEncoder's features, actions in [-1, 1]: pg's actor and sac's."""
 
     def __init__(self, config: DummyPolicyConfig):
         super().__init__()
@@ -1587,8 +1583,7 @@ class CategoricalPolicyConfig:
 
 @register_policy("categorical-policy")
 class CategoricalPolicy(BaseTorchPolicy):
-    """An MLP on ObsEncoder's features with a categorical head: one of num_actions choices per
-    step (action_dim is 1)."""
+    """An MLP on ObsEncoder's features, a categorical head: one of num_actions choices a step."""
 
     def __init__(self, config: CategoricalPolicyConfig):
         super().__init__()
@@ -2144,8 +2139,7 @@ def serve_as_learner(algo: DDPAlgorithm, ranks: Ranks) -> int:
 # PlugRL page: the routing rule and prev_node, narrated for the first N frames and their learns.
 
 def trace_frame(server: Server, client: int, frame: Frame, node: tuple, reason: str | None) -> None:
-    """One line on one frame of the first N, from its infer batch to where its feedback went
-    (reason: discard_reason's)."""
+    """A line on a frame of the first N: its infer batch, where its feedback went, and why."""
     if server.trace_left <= 0:
         return
     server.trace_left -= 1
@@ -2311,9 +2305,8 @@ import threading
 
 
 def in_a_notebook() -> bool:
-    """True in a notebook cell (its kernel runs an event loop in this thread already), or off
-    the main thread: either way the signals are not the command's to take, and it runs on a
-    thread of its own."""
+    """True in a notebook cell (its kernel's event loop runs in this thread), or off the main
+    thread: either way the signals are not the command's, and it runs on a thread of its own."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:  # no loop runs in this thread
@@ -2350,8 +2343,7 @@ class OnAThread:
         return asyncio.run(coroutine)
 
     def wait(self):
-        """Until it ends: its result. A sleep loop, not thread.join: interrupted, join can think
-        the thread ended."""
+        """Until it ends: its result. A sleep loop: interrupted, thread.join can think it ended."""
         while not self.outcome.done():
             try:
                 time.sleep(0.05)
@@ -3675,8 +3667,7 @@ CONFIG = "config.json"  # a run directory's first file, created exclusively: it 
 
 
 def _flag_type(hint):
-    """argparse's type= for a config field of type int, float, str, bool or dict (a JSON object),
-    each maybe | None."""
+    """argparse's type= for a config field of int, float, str, bool or dict (JSON), maybe | None."""
     base = next((arg for arg in typing.get_args(hint) if arg is not type(None)), hint)
 
     def convert(text):
