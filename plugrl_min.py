@@ -2362,10 +2362,9 @@ class OnAThread:
 
 
 class Serving(OnAThread):
-    """A run served on a thread of its own (a kernel's loop is busy with the notebook): wait()
-    blocks like the command line and gives the exit status, and the kernel's Interrupt acts as
-    Ctrl-C: once, a clean stop with the final checkpoint; again a second later, a stop at once
-    without one (130)."""
+    """A run served on a thread of its own (a kernel's loop is busy): wait() blocks like the command
+    line and gives the exit status, and the kernel's Interrupt acts as Ctrl-C: once, a clean stop
+    with the final checkpoint; again a second later, a stop at once without one (130)."""
 
     def __init__(self, server: Server, run, on_start, at_end=None):
         self.server, self.at_end = server, at_end
