@@ -1505,7 +1505,7 @@ class DummyPolicyConfig:
 
 @register_policy("dummy-policy")
 class DummyPolicy(BaseTorchPolicy):
-    """A tanh-Gaussian MLP on ObsEncoder's features, actions in [-1, 1]: pg's actor and sac's."""
+    """A tanh-Gaussian MLP on ObsEncoder's features, in [-1, 1]: pg's actor, sac's by sample()."""
 
     def __init__(self, config: DummyPolicyConfig):
         super().__init__()
@@ -1583,7 +1583,7 @@ class CategoricalPolicyConfig:
 
 @register_policy("categorical-policy")
 class CategoricalPolicy(BaseTorchPolicy):
-    """An MLP on ObsEncoder's features, a categorical head: one of num_actions choices a step."""
+    """An MLP on ObsEncoder's features, a categorical head: one of num_actions (action_dim 1)."""
 
     def __init__(self, config: CategoricalPolicyConfig):
         super().__init__()
