@@ -9730,7 +9730,7 @@ def test_handout_the_readme_closed_loop_command_runs(tmp_path):
 
 
 def test_report_prints_what_the_readme_shows(two_short_runs):
-    shown = readme_block("**The figure to quote**", nth=1)
+    shown = readme_block("**The figure to quote**")
     assert_prints_as_shown(shown, plugrl_min.report(two_short_runs, reach=-1000.0))
 
 
