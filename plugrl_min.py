@@ -16,8 +16,8 @@ registries, the built-in policies, the run's record, the clients' checks, the en
 command line.
 
 Optional features are one block each, under a banner "# ===== [NAME] ...": learn-threads, ranks,
-trace, tensorboard, report, notebook, pendulum, cartpole, gym, eval. Each line elsewhere that
-belongs to one carries a comment that begins "# [NAME]". Delete a block and its lines, and the
+trace, tensorboard, report, notebook, pendulum, cartpole, probe, gym, eval. Each line elsewhere
+that belongs to one carries a comment that begins "# [NAME]". Delete a block and its lines, and the
 rest still serves, learns and saves."""
 
 from __future__ import annotations  # an annotation may name a class defined further down
