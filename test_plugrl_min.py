@@ -9754,8 +9754,8 @@ def test_the_readmes_default_run_lengths_are_the_configs():
 
 
 def test_the_readmes_sac_figures_stand_once_in_the_sac_against_cleanrl_table():
-    """Each figure once: the SAC section and the eval table point to -k bench_sac's table (its returns
-    and greedy evaluations over seeds 1 to 3); none copies them."""
+    """Each figure once: the SAC section and "Trained, then evaluated" point to -k bench_sac's table (its
+    returns and greedy evaluations over seeds 1 to 3); none copies them."""
     text = readme()
     section = text.split("### SAC against CleanRL")[1]
     table = section[section.index("\n|"):].split("\n\n")[0]  # its first table: -k bench_sac's
@@ -10769,7 +10769,7 @@ def trained_and_evaluated(run_dir, last: int, seed: int, *flags) -> tuple[str, s
 @bench
 def test_bench_sac_learns_pendulum_over_the_wire_no_slower_than_cleanrl_in_process(tmp_path):
     """Each seed's one run gives all its figures: its time, `report --last 10` and, after CleanRL's
-    loop is timed, its greedy `eval --seed S` (seed 1's is also the README's eval table's row)."""
+    loop is timed, its greedy `eval --seed S` (the figures "Trained, then evaluated" points to)."""
     seeds, steps, bar = 3, 15_000, -200.0
     updates = steps - sac_example.SACConfig().learning_starts
     rows = []
@@ -10851,7 +10851,8 @@ def test_bench_the_wires_cost_the_same_agent_in_process_and_over_the_wire(tmp_pa
 
 @bench
 def test_bench_the_readmes_eval_table_trained_runs_and_their_greedy_evaluation(tmp_path):
-    """The eval table's pg rows; its sac row is -k bench_sac's seed 1, that run's own figures."""
+    """The pg runs of README's "Trained, then evaluated" (the quickstart's is eval's example there);
+    its sac figures are -k bench_sac's, that run's own."""
     runs = {"the quickstart: `pg`, dummy-v1": (["dummy-policy", "default", "pg", "default", "--local-num-envs",
                                                 "16"], 100),
             "`pg`, cartpole-v1": (["categorical-policy", "cartpole", "pg", "default", "--local-num-envs", "16",
