@@ -1182,7 +1182,7 @@ _AN_ARRAY = object()  # where an array goes in the message of a layout
 
 
 def unpack_message(frame: bytes) -> dict:
-    """A binary frame's msgpack map. Its arrays are read-only views of the frame: copy to change."""
+    """A binary frame's msgpack map. Its arrays are read-only views of it: copy one to change it."""
     if not isinstance(frame, (bytes, bytearray, memoryview)):
         raise ProtocolError("expected a binary frame, got a text frame", "send binary frames")
     view = memoryview(frame).toreadonly()  # from a bytearray too, the arrays stay read-only
@@ -1505,7 +1505,7 @@ class DummyPolicyConfig:
 
 @register_policy("dummy-policy")
 class DummyPolicy(BaseTorchPolicy):
-    """A tanh-Gaussian MLP on ObsEncoder's features, in [-1, 1]: pg's actor, sac's by sample()."""
+    """A tanh-Gaussian MLP on ObsEncoder's features, actions in [-1, 1]: the actor of pg and sac."""
 
     def __init__(self, config: DummyPolicyConfig):
         super().__init__()
@@ -1583,7 +1583,7 @@ class CategoricalPolicyConfig:
 
 @register_policy("categorical-policy")
 class CategoricalPolicy(BaseTorchPolicy):
-    """An MLP on ObsEncoder's features, a categorical head: one of num_actions (action_dim 1)."""
+    """An MLP on ObsEncoder's features, a categorical head: num_actions choices (action_dim 1)."""
 
     def __init__(self, config: CategoricalPolicyConfig):
         super().__init__()
